@@ -1,0 +1,1 @@
+"""gpusched command-line client."""

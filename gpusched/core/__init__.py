@@ -1,0 +1,1 @@
+"""Policy: pure scheduling decisions (no I/O, time passed in)."""

@@ -1,0 +1,1 @@
+"""Mechanism for everything else: socket server, engine, executor, store."""

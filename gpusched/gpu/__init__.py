@@ -1,0 +1,1 @@
+"""Mechanism for GPUs, behind one interface (backend.py)."""

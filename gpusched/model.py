@@ -1,0 +1,194 @@
+"""Shared domain types: what a job asks for, what it gets, and where it is in its life.
+
+These models cross every boundary (wire, SQLite, core), so they are plain pydantic data with no
+behaviour that needs I/O. The client imports this module too, so it must stay dependency-light.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class JobState(StrEnum):
+    """Life of a job; see ARCHITECTURE.md §5 for the legal transitions."""
+
+    PENDING = "PENDING"
+    HELD = "HELD"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    PREEMPTED = "PREEMPTED"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    LOST = "LOST"
+
+
+TERMINAL_STATES: frozenset[JobState] = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT, JobState.LOST}
+)
+# States in which a job holds an allocation (devices are not free for others).
+ACTIVE_STATES: frozenset[JobState] = frozenset({JobState.STARTING, JobState.RUNNING, JobState.SUSPENDED})
+# States in which a job waits for the scheduler.
+WAITING_STATES: frozenset[JobState] = frozenset({JobState.PENDING, JobState.HELD})
+
+# Legal transitions; the store refuses anything else so a bug cannot silently corrupt a history.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.STARTING, JobState.HELD, JobState.CANCELLED, JobState.FAILED}),
+    JobState.HELD: frozenset({JobState.PENDING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.STARTING: frozenset(
+        {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.LOST, JobState.PENDING}
+    ),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.COMPLETED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.TIMEOUT,
+            JobState.LOST,
+            JobState.SUSPENDED,
+            JobState.PREEMPTED,
+        }
+    ),
+    JobState.SUSPENDED: frozenset(
+        {JobState.RUNNING, JobState.CANCELLED, JobState.FAILED, JobState.TIMEOUT, JobState.LOST,
+         JobState.COMPLETED, JobState.PREEMPTED}
+    ),
+    JobState.PREEMPTED: frozenset({JobState.PENDING, JobState.CANCELLED}),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.TIMEOUT: frozenset(),
+    JobState.LOST: frozenset(),
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WholeRequest(_Frozen):
+    """`--gpus N`: N whole GPUs with MIG off."""
+
+    kind: Literal["whole"] = "whole"
+    gpus: int = Field(ge=1, le=64, description="number of whole GPUs")
+
+
+class MigRequest(_Frozen):
+    """`--mig PROFILE`: one MIG instance of the named profile (e.g. `3g.40gb`)."""
+
+    kind: Literal["mig"] = "mig"
+    profile: str = Field(min_length=1, max_length=32, pattern=r"^[0-9]+g\.[0-9]+gb(\+me)?$")
+
+
+class ShareRequest(_Frozen):
+    """`--share F --gpu-mem SIZE`: a fraction of a device's SMs with a memory cap."""
+
+    kind: Literal["share"] = "share"
+    fraction: float = Field(gt=0.0, le=1.0, description="fraction of the device's compute")
+    gpu_mem_mib: int = Field(ge=1, description="GPU memory cap in MiB")
+
+
+ResourceRequest = Annotated[WholeRequest | MigRequest | ShareRequest, Field(discriminator="kind")]
+
+JobClass = Literal["batch", "interactive"]
+Precision = Literal["fp16", "bf16", "fp32", "tf32"]
+
+
+class JobSpec(_Frozen):
+    """Everything the submitter decided about a job. Immutable once acknowledged."""
+
+    argv: list[str] = Field(min_length=1, description="program and arguments, run without a shell")
+    cwd: str = Field(min_length=1, description="absolute working directory")
+    env: dict[str, str] = Field(default_factory=dict, description="environment the job starts with")
+    request: ResourceRequest
+    name: str | None = Field(default=None, max_length=128)
+    time_limit_s: float | None = Field(default=None, gt=0, description="wall-clock limit in seconds")
+    job_class: JobClass = "batch"
+    nice: int = Field(default=0, ge=0, le=19)
+    requeue: bool = False
+    precision: Precision | None = None
+
+    @field_validator("cwd")
+    @classmethod
+    def _absolute_cwd(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return value
+
+    @field_validator("argv")
+    @classmethod
+    def _no_nul(cls, value: list[str]) -> list[str]:
+        if any("\x00" in part for part in value):
+            raise ValueError("arguments must not contain NUL bytes")
+        return value
+
+
+class AllocatedDevice(_Frozen):
+    """One device a job was given: a whole GPU or a MIG instance."""
+
+    uuid: str
+    gpu_index: int
+    kind: Literal["gpu", "mig"]
+    profile: str | None = None
+
+
+class Allocation(_Frozen):
+    """What a job got. `compute_fraction` is what its owner is charged per second of wall time."""
+
+    devices: list[AllocatedDevice]
+    compute_fraction: float = Field(ge=0.0)
+    share: float | None = None
+    gpu_mem_mib: int | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def uuids(self) -> list[str]:
+        return [d.uuid for d in self.devices]
+
+
+class Transition(_Frozen):
+    """One committed state change, with its reason and time (epoch seconds)."""
+
+    state: JobState
+    at: float
+    reason: str
+
+
+class Job(BaseModel):
+    """A job as the store keeps it and clients see it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int
+    uid: int
+    gid: int
+    user: str
+    spec: JobSpec
+    state: JobState
+    submitted_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
+    allocation: Allocation | None = None
+    pid: int | None = None
+    history: list[Transition] = Field(default_factory=list)
+
+    @property
+    def display_name(self) -> str:
+        return self.spec.name or (self.spec.argv[0].rsplit("/", 1)[-1])
+
+
+def describe_request(request: WholeRequest | MigRequest | ShareRequest) -> str:
+    """A short human form of a request, as the CLI writes it (`gpus=2`, `mig=3g.40gb`, ...)."""
+    if isinstance(request, WholeRequest):
+        return f"gpus={request.gpus}"
+    if isinstance(request, MigRequest):
+        return f"mig={request.profile}"
+    return f"share={request.fraction:g},mem={request.gpu_mem_mib}MiB"

@@ -1,0 +1,1 @@
+"""Trace replay through the same core under a virtual clock."""
