@@ -1,0 +1,137 @@
+"""A small synchronous client: connect, `hello`, then typed request -> result calls.
+
+Blocking sockets are right here: the CLI does one thing at a time, and a plain socket keeps the
+client's start-up cheap (no event loop for a one-shot `gpusched queue`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from gpusched.protocol import (
+    HEADER,
+    PROTOCOL_VERSION,
+    RESULT_TYPES,
+    ErrorCode,
+    HelloRequest,
+    HelloResult,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    frame_length,
+    socket_candidates,
+)
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class DaemonUnavailable(Exception):
+    """No daemon answers at the socket; the message says where we looked and how to start one."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+def resolve_socket(explicit: str | None, env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
+    """`--socket`, else $GPUSCHED_SOCKET, else the first default socket that exists."""
+    env = os.environ if env is None else env
+    if explicit:
+        return explicit
+    if env.get("GPUSCHED_SOCKET"):
+        return env["GPUSCHED_SOCKET"]
+    candidates = socket_candidates(os.getuid() if uid is None else uid, env)
+    for path in candidates:
+        if os.path.exists(path):
+            return path
+    return candidates[0]
+
+
+class Client:
+    """One connection to the daemon. Use as a context manager."""
+
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self.hello: HelloResult | None = None
+
+    def __enter__(self) -> Client:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self) -> HelloResult:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            state = "does not exist" if isinstance(exc, FileNotFoundError) else "refuses connections (stale socket)"
+            raise DaemonUnavailable(
+                f"gpuschedd is not running: socket {self.path} {state}",
+                "start it with `sudo systemctl start gpusched`, or run your own on simulated GPUs: "
+                f"`gpuschedd --sim H100-80GB:2 --socket {self.path}`",
+            ) from None
+        except PermissionError:
+            sock.close()
+            raise DaemonUnavailable(
+                f"permission denied connecting to {self.path}",
+                "the socket should be mode 0666; check the daemon's --socket directory permissions",
+            ) from None
+        self._sock = sock
+        self.hello = self.call(HelloRequest(version=PROTOCOL_VERSION, client="gpusched-cli"), HelloResult)
+        return self.hello
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def call(self, request: BaseModel, result_type: type[T]) -> T:
+        """Send one request and return its typed result, or raise ProtocolError from the daemon."""
+        reply = self.raw_call(request.model_dump(mode="json"))
+        if reply.get("ok") is True:
+            try:
+                return result_type.model_validate(reply.get("result"))
+            except ValidationError as exc:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"daemon sent a malformed result: {exc}") from None
+        err = reply.get("error") or {}
+        try:
+            code = ErrorCode(err.get("code", "internal"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        raise ProtocolError(code, str(err.get("message", "unknown error")), str(err.get("hint", "")))
+
+    def raw_call(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self._sock is None:
+            raise RuntimeError("not connected")
+        self._sock.sendall(encode_frame(message))
+        header = self._recv_exactly(HEADER.size)
+        return decode_body(self._recv_exactly(frame_length(header)))
+
+    def _recv_exactly(self, n: int) -> bytes:
+        assert self._sock is not None
+        chunks = bytearray()
+        while len(chunks) < n:
+            chunk = self._sock.recv(n - len(chunks))
+            if not chunk:
+                raise DaemonUnavailable(
+                    f"gpuschedd closed the connection on {self.path}",
+                    "the daemon may be shutting down; see `journalctl -u gpusched` or its log",
+                )
+            chunks += chunk
+        return bytes(chunks)
+
+
+def result_type_for(op: str) -> type[BaseModel]:
+    return RESULT_TYPES[op]

@@ -1,0 +1,108 @@
+"""Daemon configuration: TOML file -> pydantic model, with defaults for root and unprivileged runs.
+
+Command-line flags override the file; the file overrides the defaults. A bad file is refused with a
+message naming the file, the key and the problem (and the line, where TOML itself could not parse).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gpusched.protocol import ROOT_SOCKET, user_socket
+
+ShareModeName = Literal["exclusive", "mps", "timeslice"]
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says where and why."""
+
+
+class GpuConfig(BaseModel):
+    """Per-GPU setup. `mig` lists the instances a static layout should have (created at start)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mig: list[str] | None = Field(
+        default=None, description="static MIG layout, e.g. [\"3g.40gb\", \"2g.20gb\"]; the GPU must be in MIG mode"
+    )
+    share: ShareModeName = Field(default="exclusive", description="how the device is shared between jobs")
+
+
+class DaemonConfig(BaseModel):
+    """Everything gpuschedd needs to start. Every field is documented in docs/admin-guide.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    socket: str = Field(description="Unix socket the daemon listens on")
+    state_dir: str = Field(description="SQLite database, job directories and logs")
+    sim: str | None = Field(default=None, description="simulated GPUs, e.g. \"H100-80GB:2\"; unset = real NVML")
+    admin_group: str | None = Field(default=None, description="members of this group may act on every job")
+    allow_root_jobs: bool = Field(default=False, description="run jobs submitted by root (off: refused)")
+    kill_grace_s: float = Field(default=10.0, ge=0.0, le=3600.0, description="SIGTERM -> SIGKILL grace period")
+    tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
+    max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
+    gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
+
+    @field_validator("gpus")
+    @classmethod
+    def _index_keys(cls, value: dict[str, GpuConfig]) -> dict[str, GpuConfig]:
+        for key in value:
+            if not key.isdigit():
+                raise ValueError(f"GPU keys must be GPU indices like \"0\", not {key!r}")
+        return value
+
+    @property
+    def db_path(self) -> str:
+        return os.path.join(self.state_dir, "gpusched.db")
+
+    @property
+    def jobs_dir(self) -> str:
+        return os.path.join(self.state_dir, "jobs")
+
+
+def default_paths(uid: int, env: Mapping[str, str]) -> dict[str, str]:
+    """Root gets the system paths; anyone else gets per-user paths so no privilege is needed."""
+    if uid == 0:
+        return {"socket": ROOT_SOCKET, "state_dir": "/var/lib/gpusched"}
+    state_home = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME", f"/tmp/gpusched-{uid}"), ".local", "state")
+    return {"socket": user_socket(uid, env), "state_dir": os.path.join(state_home, "gpusched")}
+
+
+def load_config(
+    path: str | None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    uid: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """Defaults, then the TOML file at `path`, then non-None `overrides` (command-line flags)."""
+    data: dict[str, Any] = default_paths(os.getuid() if uid is None else uid, os.environ if env is None else env)
+    source = "command line"
+    if path is not None:
+        source = path
+        data.update(_read_toml(path))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return DaemonConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{source}: invalid configuration: {problems}") from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None

@@ -1,0 +1,412 @@
+"""The loop: events (submit, exit, tick) -> core plan -> actions carried out via gpu/ and the executor.
+
+The engine holds the in-memory mirror of every unfinished job (the store holds the truth) and is
+the only writer of job state. Handlers call its small public methods; they never touch processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import pwd
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from gpusched.config import DaemonConfig
+from gpusched.core.scheduler import (
+    Action,
+    CreateInstance,
+    DestroyInstance,
+    FailJob,
+    PreemptJob,
+    Scheduler,
+    Snapshot,
+    StartJob,
+    unsatisfiable_reason,
+)
+from gpusched.daemon.executor import Executor, ExitStatus, Identity
+from gpusched.daemon.store import Store
+from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
+from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Allocation, Job, JobSpec, JobState
+from gpusched.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("gpusched.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequest:
+    """Why a running job is being stopped, and the state it ends in once it has exited."""
+
+    final: JobState
+    reason: str
+
+
+class Engine:
+    """Owns job state transitions; wakes on events and on a tick."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        store: Store,
+        backend: GpuBackend,
+        executor: Executor,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.backend = backend
+        self.executor = executor
+        self.scheduler = scheduler
+        self.clock = clock
+        self.jobs: dict[int, Job] = {}
+        self.inventory = Inventory(gpus=())
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._stops: dict[int, StopRequest] = {}
+        self._kill_timers: dict[int, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.passes = 0
+        self.shutting_down = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
+        await self.refresh_inventory()
+        for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
+            self.jobs[job.id] = job
+        stops = self.store.get_meta("stop_requests")
+        for key, (final, reason) in (json.loads(stops) if stops else {}).items():
+            self._stops[int(key)] = StopRequest(JobState(final), reason)
+        await self._recover()
+        self._loop_task = asyncio.create_task(self._run(), name="gpusched-engine")
+
+    async def stop(self) -> None:
+        """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for task in list(self._tasks):
+            task.cancel()
+        for timer in self._kill_timers.values():
+            timer.cancel()
+        self.executor.detach()
+        self._persist_stops()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def begin_shutdown(self) -> None:
+        """Release long-polling requests so the server can finish in-flight work promptly."""
+        self.shutting_down = True
+        self._notify()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_s)
+            ticked = not self._wake.is_set()
+            self._wake.clear()
+            try:
+                if ticked:
+                    await self.refresh_inventory()
+                    self._poll_adopted()
+                self._enforce_time_limits()
+                await self._pass()
+            except Exception:  # the loop must survive a bad pass; the next event retries
+                log.exception("scheduling pass failed")
+
+    async def refresh_inventory(self) -> None:
+        try:
+            self.inventory = await asyncio.to_thread(self.backend.inventory)
+        except GpuError as exc:
+            log.error("cannot read GPU inventory: %s", exc.message)
+
+    # ---- requests from handlers ----------------------------------------------------------------
+
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec) -> Job:
+        """Validate against this node, commit, then wake the loop. Raises ProtocolError."""
+        if uid == 0 and not self.config.allow_root_jobs:
+            raise ProtocolError(
+                ErrorCode.PERMISSION_DENIED, "jobs submitted by root are refused",
+                "submit as an ordinary user, or set allow_root_jobs = true in the daemon config",
+            )
+        reason = unsatisfiable_reason(spec.request, self.inventory.gpus)
+        if reason is not None:
+            raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
+        job = self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=self.clock())
+        self.jobs[job.id] = job
+        self._notify()
+        self.wake()
+        return job
+
+    async def cancel(self, job: Job, reason: str) -> bool:
+        """Cancel a job; False if it had already finished."""
+        job = self.jobs.get(job.id, job)
+        if job.state in TERMINAL_STATES:
+            return False
+        if job.state in (JobState.PENDING, JobState.HELD, JobState.PREEMPTED):
+            self._set(job, JobState.CANCELLED, reason, ended_at=self.clock())
+        else:
+            self._request_stop(job, StopRequest(JobState.CANCELLED, reason))
+        self.wake()
+        return True
+
+    def get(self, job_id: int) -> Job | None:
+        return self.jobs.get(job_id) or self.store.get(job_id)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Block until any job changes state, the daemon starts shutting down, or the timeout passes."""
+        if self.shutting_down:
+            return
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def waiting_reason(self, job: Job) -> str | None:
+        if job.state is not JobState.PENDING:
+            return None
+        explain = getattr(self.scheduler, "explain", None)
+        if callable(explain):
+            return str(explain(job.id))
+        ahead = sum(1 for j in self.jobs.values() if j.state is JobState.PENDING and j.id < job.id)
+        return f"waiting for free devices; {ahead} job(s) ahead in the queue"
+
+    # ---- the pass ------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        jobs = sorted(self.jobs.values(), key=lambda j: j.id)
+        return Snapshot(
+            gpus=self.inventory.gpus,
+            pending=tuple(j for j in jobs if j.state is JobState.PENDING),
+            active=tuple(j for j in jobs if j.state in ACTIVE_STATES),
+            unschedulable=frozenset(g.uuid for g in self.inventory.gpus if g.index in self.inventory.errors),
+        )
+
+    async def _pass(self) -> None:
+        self.passes += 1
+        actions = self.scheduler.plan(self.snapshot(), self.clock())
+        for action in actions:
+            await self._apply(action)
+
+    async def _apply(self, action: Action) -> None:
+        if isinstance(action, StartJob):
+            await self._start(action)
+        elif isinstance(action, FailJob):
+            job = self.jobs.get(action.job_id)
+            if job is not None and job.state in (JobState.PENDING, JobState.HELD):
+                self._set(job, JobState.FAILED, action.reason, ended_at=self.clock())
+        elif isinstance(action, PreemptJob):
+            job = self.jobs.get(action.job_id)
+            if job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
+                self._request_stop(job, StopRequest(JobState.PREEMPTED, action.reason))
+        elif isinstance(action, CreateInstance):
+            await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start)
+        elif isinstance(action, DestroyInstance):
+            await self._gpu_call(self.backend.destroy_instance, action.uuid)
+
+    async def _gpu_call(self, fn: Callable[..., object], *args: object) -> None:
+        try:
+            await asyncio.to_thread(fn, *args)
+        except GpuError as exc:
+            log.warning("%s%r failed: %s", getattr(fn, "__name__", "gpu call"), args, exc.message)
+        await self.refresh_inventory()
+        self.wake()
+
+    async def _start(self, action: StartJob) -> None:
+        job = self.jobs.get(action.job_id)
+        if job is None or job.state is not JobState.PENDING:
+            return
+        now = self.clock()
+        job = self._set(job, JobState.STARTING, action.reason, allocation=action.allocation, started_at=now)
+        try:
+            who = self._identity(job)
+            started = await self.executor.start(
+                job.id, job.spec.argv, job.spec.cwd, self._job_env(job, action.allocation), who
+            )
+        except (OSError, KeyError) as exc:
+            self._set(job, JobState.FAILED, f"could not launch: {exc}", ended_at=self.clock())
+            return
+        job = self.jobs[job.id]
+        if not started.error:
+            self._set(job, JobState.RUNNING, "started", pid=started.pid)
+        # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
+        # why, and reaping moves it STARTING -> FAILED with that reason.
+        self._spawn(self._reap(job.id))
+
+    def _identity(self, job: Job) -> Identity:
+        if os.geteuid() != 0:
+            return Identity(job.uid, job.gid, (), drop=False)
+        try:
+            name = pwd.getpwuid(job.uid).pw_name
+            groups = tuple(os.getgrouplist(name, job.gid))
+        except KeyError:
+            groups = (job.gid,)  # a uid with no passwd entry still runs, with its primary group
+        return Identity(job.uid, job.gid, groups, drop=True)
+
+    def _job_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
+        env = dict(job.spec.env)
+        env.update(allocation.env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)
+        env["GPUSCHED_JOB_ID"] = str(job.id)
+        env["GPUSCHED_ALLOCATION"] = allocation.model_dump_json(exclude={"env"})
+        return env
+
+    async def _reap(self, job_id: int) -> None:
+        status = await self.executor.wait(job_id)
+        if status is not None:
+            self._finish(job_id, status)
+
+    def _poll_adopted(self) -> None:
+        """Jobs re-adopted after a restart are not our children: look for their status each tick."""
+        for job in list(self.jobs.values()):
+            if job.state not in ACTIVE_STATES or self.executor.owns(job.id):
+                continue
+            status = self.executor.collect(job.id)
+            if status is not None:
+                self._finish(job.id, status)
+            elif not self.executor.is_alive(job.id):
+                self._set(job, JobState.LOST, "job supervisor vanished without recording an exit status",
+                          ended_at=self.clock())
+
+    async def _recover(self) -> None:
+        """Explicit restart rules: collect what ended, re-adopt what runs, LOST only what we cannot know."""
+        for job in list(self.jobs.values()):
+            if job.state is JobState.STARTING:
+                status = self.executor.collect(job.id)
+                if status is not None:
+                    self._finish(job.id, status)
+                elif self.executor.is_alive(job.id):
+                    self._set(job, JobState.RUNNING, "re-adopted after daemon restart")
+                else:
+                    self._set(job, JobState.LOST, "daemon stopped while the job was starting",
+                              ended_at=self.clock())
+            elif job.state in (JobState.RUNNING, JobState.SUSPENDED):
+                status = self.executor.collect(job.id)
+                if status is not None:
+                    self._finish(job.id, status)
+                elif not self.executor.is_alive(job.id):
+                    self._set(job, JobState.LOST, "job ended while the daemon was down and left no status",
+                              ended_at=self.clock())
+                elif job.id in self._stops:
+                    self._request_stop(job, self._stops[job.id])
+            elif job.state is JobState.PREEMPTED:
+                self._set(job, JobState.PENDING, "requeued after preemption")
+
+    def _finish(self, job_id: int, status: ExitStatus) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.state in TERMINAL_STATES:
+            return
+        timer = self._kill_timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        stop = self._stops.pop(job_id, None)
+        self._persist_stops()
+        ended = status.ended_at or self.clock()
+        fields = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
+        if status.error:
+            self._set(job, JobState.FAILED, f"could not start: {status.error}", **fields)
+        elif stop is not None and stop.final is JobState.PREEMPTED:
+            job = self._set(job, JobState.PREEMPTED, stop.reason, **fields)
+            self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, pid=None,
+                      started_at=None, ended_at=None, exit_code=None, signal=None)
+        elif stop is not None:
+            self._set(job, stop.final, stop.reason, **fields)
+        elif status.signal is not None:
+            self._set(job, JobState.FAILED, f"killed by signal {_signame(status.signal)}", **fields)
+        elif status.exit_code == 0:
+            self._set(job, JobState.COMPLETED, "exit code 0", **fields)
+        else:
+            self._set(job, JobState.FAILED, f"exit code {status.exit_code}", **fields)
+        self.wake()
+
+    # ---- stopping running jobs -----------------------------------------------------------------
+
+    def _request_stop(self, job: Job, stop: StopRequest) -> None:
+        """SIGTERM the job's process group now, SIGKILL after the grace period."""
+        if job.id in self._kill_timers:
+            return
+        self._stops[job.id] = stop
+        self._persist_stops()
+        if job.pid:
+            if job.state is JobState.SUSPENDED:
+                self.executor.signal(job.pid, signal.SIGCONT)  # a stopped job cannot handle SIGTERM
+            self.executor.signal(job.pid, signal.SIGTERM)
+            loop = asyncio.get_running_loop()
+            self._kill_timers[job.id] = loop.call_later(
+                self.config.kill_grace_s, self.executor.signal, job.pid, signal.SIGKILL
+            )
+
+    def _enforce_time_limits(self) -> None:
+        now = self.clock()
+        for job in list(self.jobs.values()):
+            limit = job.spec.time_limit_s
+            if job.state in ACTIVE_STATES and limit is not None and job.started_at is not None \
+                    and now - job.started_at > limit and job.id not in self._stops:
+                self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {limit:g}s reached"))
+
+    def _persist_stops(self) -> None:
+        self.store.set_meta(
+            "stop_requests", json.dumps({str(k): [v.final.value, v.reason] for k, v in self._stops.items()})
+        )
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _set(self, job: Job, state: JobState, reason: str, **fields: object) -> Job:
+        updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
+        if state in TERMINAL_STATES:
+            self.jobs.pop(job.id, None)
+        else:
+            self.jobs[job.id] = updated
+        log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        self._notify()
+        return updated
+
+    def _notify(self) -> None:
+        self._spawn(self._notify_all())
+
+    async def _notify_all(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def user_name(self, uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
+
+    def is_admin(self, uid: int) -> bool:
+        """Root, the daemon's own user, or a member of the configured admin group."""
+        if uid in (0, os.geteuid()):
+            return True
+        group = self.config.admin_group
+        if not group:
+            return False
+        try:
+            entry = grp.getgrnam(group)
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)

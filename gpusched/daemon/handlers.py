@@ -1,0 +1,253 @@
+"""One function per request: (ctx, request) -> result. Handlers never see a socket.
+
+Identity comes from `ctx.peer` (SO_PEERCRED, filled in by the server), never from the payload.
+Errors are raised as ProtocolError with a stable code; the server turns them into error frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpusched import __version__
+from gpusched.daemon.engine import Engine
+from gpusched.model import TERMINAL_STATES, Job, describe_request
+from gpusched.protocol import (
+    PROTOCOL_VERSION,
+    CancelRequest,
+    CancelResult,
+    ErrorCode,
+    GpuInfo,
+    GpusRequest,
+    GpusResult,
+    HelloRequest,
+    HelloResult,
+    InstanceInfo,
+    JobSummary,
+    LogsRequest,
+    LogsResult,
+    ProtocolError,
+    QueueRequest,
+    QueueResult,
+    ShowRequest,
+    ShowResult,
+    ShutdownRequest,
+    ShutdownResult,
+    SubmitRequest,
+    SubmitResult,
+    WaitRequest,
+    WaitResult,
+    check_version,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The kernel's word on who is at the other end of the socket."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(slots=True)
+class Context:
+    engine: Engine
+    peer: Peer
+    user: str
+    admin: bool
+    backend_name: str
+    request_shutdown: Callable[[], None]
+
+
+def hello(ctx: Context, req: HelloRequest) -> HelloResult:
+    check_version(req.version)
+    return HelloResult(
+        version=PROTOCOL_VERSION, daemon_version=__version__, uid=ctx.peer.uid, user=ctx.user,
+        admin=ctx.admin, backend=ctx.backend_name,
+    )
+
+
+def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
+    job = ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec)
+    return SubmitResult(job_id=job.id, state=job.state)
+
+
+def queue(ctx: Context, req: QueueRequest) -> QueueResult:
+    jobs: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()}
+    if req.all:
+        for job in ctx.engine.store.recent(req.limit, user=req.user):
+            jobs.setdefault(job.id, job)
+    rows = [summarize(j) for _, j in sorted(jobs.items()) if req.user is None or j.user == req.user]
+    return QueueResult(jobs=rows)
+
+
+def show(ctx: Context, req: ShowRequest) -> ShowResult:
+    job = _find(ctx, req.job_id)
+    return ShowResult(
+        job=_redact(ctx, job), waiting_reason=ctx.engine.waiting_reason(job),
+        log_path=ctx.engine.executor.log_path(job.id),
+    )
+
+
+async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
+    jobs = [_find(ctx, job_id) for job_id in req.job_ids]  # all-or-nothing: check every id first
+    for job in jobs:
+        _require_owner(ctx, job, "cancel")
+    cancelled, finished = [], []
+    for job in jobs:
+        by = "" if job.uid == ctx.peer.uid else f" by {ctx.user}"
+        if await ctx.engine.cancel(job, f"cancelled{by}"):
+            cancelled.append(job.id)
+        else:
+            finished.append(job.id)
+    return CancelResult(cancelled=cancelled, already_finished=finished)
+
+
+async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
+    job = _find(ctx, req.job_id)
+    _require_owner(ctx, job, "read the log of")
+    path = ctx.engine.executor.log_path(job.id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + req.wait_s
+    while True:
+        finished = _current(ctx, job.id).state in TERMINAL_STATES
+        data = _read_log(path, req.offset, req.max_bytes)
+        if data or finished or loop.time() >= deadline or ctx.engine.shutting_down:
+            break
+        # Log growth is not an engine event; a short poll inside the daemon keeps the client simple.
+        await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+    if not finished:
+        data = _complete_utf8(data)  # never split a character across two replies
+    next_offset = req.offset + len(data)
+    eof = finished and _log_size(path) <= next_offset
+    return LogsResult(data=data.decode("utf-8", errors="replace"), next_offset=next_offset, eof=eof)
+
+
+async def wait(ctx: Context, req: WaitRequest) -> WaitResult:
+    _find(ctx, req.job_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + req.timeout_s
+    while True:
+        job = _current(ctx, req.job_id)
+        remaining = deadline - loop.time()
+        if job.state in TERMINAL_STATES or remaining <= 0 or ctx.engine.shutting_down:
+            return WaitResult(job=_redact(ctx, job), finished=job.state in TERMINAL_STATES)
+        await ctx.engine.wait_for_change(remaining)
+
+
+def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
+    inventory = ctx.engine.inventory
+    holders: dict[str, list[Job]] = {}
+    for job in ctx.engine.jobs.values():
+        if job.allocation is not None and job.state not in TERMINAL_STATES:
+            for uuid in job.allocation.uuids:
+                holders.setdefault(uuid, []).append(job)
+    out = []
+    for gpu in inventory.gpus:
+        health = "error: " + inventory.errors[gpu.index] if gpu.index in inventory.errors else "ok"
+        instances = [
+            InstanceInfo(
+                uuid=i.uuid, profile=i.profile, start=i.start, size=i.size, memory_mib=i.memory_mib,
+                sm_count=i.sm_count, health=health, jobs=[j.id for j in holders.get(i.uuid, [])],
+                users=sorted({j.user for j in holders.get(i.uuid, [])}),
+            )
+            for i in sorted(gpu.instances, key=lambda i: i.start)
+        ]
+        on_gpu = holders.get(gpu.uuid, [])
+        out.append(GpuInfo(
+            index=gpu.index, uuid=gpu.uuid, name=gpu.name, model=gpu.model, memory_total_mib=gpu.memory_total_mib,
+            memory_used_mib=gpu.memory_used_mib, sm_count=gpu.sm_count, mig_enabled=gpu.mig_enabled,
+            mig_pending=gpu.mig_pending, health=health, instances=instances, jobs=[j.id for j in on_gpu],
+            users=sorted({j.user for j in on_gpu}),
+        ))
+    return GpusResult(backend=ctx.backend_name, driver_version=inventory.driver_version, gpus=out)
+
+
+def shutdown(ctx: Context, req: ShutdownRequest) -> ShutdownResult:
+    if not ctx.admin:
+        raise ProtocolError(ErrorCode.PERMISSION_DENIED, "only an administrator may shut the daemon down",
+                            "use `sudo systemctl stop gpusched`")
+    ctx.request_shutdown()
+    return ShutdownResult(stopping=True)
+
+
+Handler = Callable[[Context, Any], Any | Awaitable[Any]]
+HANDLERS: dict[str, Handler] = {
+    "hello": hello, "submit": submit, "queue": queue, "show": show, "cancel": cancel,
+    "logs": logs, "wait": wait, "gpus": gpus, "shutdown": shutdown,
+}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def summarize(job: Job) -> JobSummary:
+    return JobSummary(
+        id=job.id, name=job.display_name, user=job.user, uid=job.uid, state=job.state,
+        request=describe_request(job.spec.request), submitted_at=job.submitted_at, started_at=job.started_at,
+        ended_at=job.ended_at, exit_code=job.exit_code,
+        devices=job.allocation.uuids if job.allocation is not None else [], reason=job.reason,
+    )
+
+
+def _find(ctx: Context, job_id: int) -> Job:
+    job = ctx.engine.get(job_id)
+    if job is None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+    return job
+
+
+def _current(ctx: Context, job_id: int) -> Job:
+    job = ctx.engine.get(job_id)
+    assert job is not None  # jobs are never deleted
+    return job
+
+
+def _may_act(ctx: Context, job: Job) -> bool:
+    return ctx.admin or job.uid == ctx.peer.uid
+
+
+def _require_owner(ctx: Context, job: Job, verb: str) -> None:
+    if not _may_act(ctx, job):
+        raise ProtocolError(
+            ErrorCode.PERMISSION_DENIED,
+            f"job {job.id} belongs to {job.user}; {ctx.user} may not {verb} it",
+            "only the job's owner or an administrator may do this",
+        )
+
+
+def _redact(ctx: Context, job: Job) -> Job:
+    """Anyone may see that a job exists and where it runs, but not its owner's environment."""
+    if _may_act(ctx, job):
+        return job
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"env": {}})})
+
+
+def _read_log(path: str, offset: int, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(limit)
+    except FileNotFoundError:
+        return b""
+
+
+def _log_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _complete_utf8(data: bytes) -> bytes:
+    """`data` without a trailing partial UTF-8 sequence (the rest arrives with the next read)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte or ASCII: is its sequence complete?
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0x6 else 3 if byte >> 4 == 0xE else 4
+            return data if need <= back else data[:-back]
+    return data

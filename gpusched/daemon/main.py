@@ -1,0 +1,165 @@
+"""gpuschedd: configuration, wiring, signals, sd_notify and graceful shutdown.
+
+`run(config, install_signals=False)` is the embeddable form: tests boot the real daemon inside the
+test process on a temporary socket. `cli` is the console entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import click
+
+from gpusched import __version__
+from gpusched.config import ConfigError, DaemonConfig, load_config
+from gpusched.core.scheduler import Scheduler
+from gpusched.daemon.engine import Engine
+from gpusched.daemon.executor import Executor
+from gpusched.daemon.server import Server, SocketInUse
+from gpusched.daemon.store import Store, StoreError
+from gpusched.gpu.backend import GpuBackend, GpuError
+
+log = logging.getLogger("gpusched")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+@dataclass
+class Daemon:
+    """A running daemon's parts, for tests and for a clean stop."""
+
+    config: DaemonConfig
+    store: Store
+    engine: Engine
+    server: Server
+    backend: GpuBackend
+    stopped: asyncio.Event
+
+    def request_stop(self) -> None:
+        self.stopped.set()
+
+
+def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
+    """The simulator when `--sim` is given, else the real driver; refuse with a hint if neither works."""
+    from gpusched.gpu.nvml import open_backend  # the only door to NVML
+
+    try:
+        backend = open_backend(config.sim)
+    except GpuError as exc:
+        raise StartupError(f"{exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")) from None
+    except ValueError as exc:
+        raise StartupError(f"--sim: {exc}") from None
+    return backend, ("sim" if config.sim else "nvml")
+
+
+async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "") -> Daemon:
+    """Boot every part and start serving; raises StartupError with an actionable message."""
+    if backend is None:
+        backend, backend_name = open_gpu_backend(config)
+    os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+    try:
+        store = Store(config.db_path)
+    except (StoreError, OSError) as exc:
+        raise StartupError(f"cannot open the state database: {exc}") from None
+    executor = Executor(config.state_dir)
+    engine = Engine(config, store, backend, executor, Scheduler())
+    stopped = asyncio.Event()
+    server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)
+    try:
+        await server.start()
+    except (SocketInUse, OSError) as exc:
+        store.close()
+        raise StartupError(str(exc)) from None
+    await engine.start()
+    log.info("gpuschedd %s listening on %s (%s backend, %d GPUs)", __version__, config.socket, backend_name,
+             len(engine.inventory.gpus))
+    return Daemon(config, store, engine, server, backend, stopped)
+
+
+async def stop(daemon: Daemon) -> None:
+    """Stop accepting, finish in-flight requests, persist, release the GPU backend."""
+    await daemon.server.close()
+    await daemon.engine.stop()
+    daemon.store.close()
+    daemon.backend.close()
+    log.info("gpuschedd stopped")
+
+
+async def run(config: DaemonConfig, install_signals: bool = True,
+              on_ready: Callable[[Daemon], Awaitable[None]] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or a `shutdown` request); returns the process exit code."""
+    daemon = await start(config)
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.request_stop)
+    sd_notify("READY=1\nSTATUS=serving")
+    if on_ready is not None:
+        await on_ready(daemon)
+    await daemon.stopped.wait()
+    sd_notify("STOPPING=1")
+    await stop(daemon)
+    return 0
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd about our state when run as a Type=notify service; a no-op elsewhere."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(message.encode(), path)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
+@click.option("--sim", help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2.")
+@click.option("--socket", "socket_path", help="Unix socket to listen on.")
+@click.option("--state-dir", help="Directory for the database, job records and logs.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+@click.version_option(__version__, prog_name="gpuschedd")
+def cli(config_path: str | None, sim: str | None, socket_path: str | None, state_dir: str | None,
+        log_level: str) -> None:
+    """gpuschedd: the gpusched daemon.
+
+    Keeps a fair queue of GPU jobs and runs each on a whole GPU, a MIG instance or a share of one.
+    Without a GPU, run it on simulated GPUs: gpuschedd --sim H100-80GB:2
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        config = load_config(config_path, {"sim": sim, "socket": socket_path, "state_dir": state_dir})
+    except ConfigError as exc:
+        click.echo(f"gpuschedd: {exc}", err=True)
+        sys.exit(2)
+    try:
+        code = _run_loop(config)
+    except StartupError as exc:
+        click.echo(f"gpuschedd: cannot start: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(code)
+
+
+def _run_loop(config: DaemonConfig) -> int:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency, but a plain asyncio loop is a fine fallback
+        return asyncio.run(run(config))
+    return int(uvloop.run(run(config)))
+
+
+if __name__ == "__main__":
+    cli()

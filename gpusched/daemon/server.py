@@ -1,0 +1,201 @@
+"""The Unix socket server: peer identity from SO_PEERCRED, framing, handshake, connection limits.
+
+Every connection is independent: a malformed frame gets an error (and, when the stream can no
+longer be trusted, the connection is closed) while everyone else keeps being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from gpusched.daemon.engine import Engine
+from gpusched.daemon.handlers import HANDLERS, Context, Peer
+from gpusched.protocol import (
+    HEADER,
+    ErrorCode,
+    HelloRequest,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    error,
+    frame_length,
+    ok,
+    parse_request,
+)
+
+log = logging.getLogger("gpusched.server")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class SocketInUse(Exception):
+    """Another live daemon already answers on the socket."""
+
+
+def peer_credentials(sock: socket.socket) -> Peer:
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return Peer(pid=pid, uid=uid, gid=gid)
+
+
+def claim_socket_path(path: str) -> None:
+    """Refuse if a live daemon owns `path`; remove it if it is a stale leftover."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise SocketInUse(f"{path} exists and is not a socket; refusing to remove it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # nobody listens: a daemon died without cleaning up
+        return
+    finally:
+        probe.close()
+    raise SocketInUse(f"another gpuschedd is already listening on {path}")
+
+
+class Server:
+    """Accepts connections and dispatches requests to handlers."""
+
+    def __init__(self, engine: Engine, path: str, backend_name: str, request_shutdown: Callable[[], None],
+                 max_connections: int = 1024) -> None:
+        self.engine = engine
+        self.path = path
+        self.backend_name = backend_name
+        self.request_shutdown = request_shutdown
+        self.max_connections = max_connections
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False
+
+    async def start(self) -> None:
+        claim_socket_path(self.path)
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        os.chmod(self.path, 0o666)  # anyone may connect; SO_PEERCRED decides what they may do
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish (up to `grace_s`), then drop connections."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        self.engine.begin_shutdown()  # long-polls (wait, logs -f) answer now instead of at their timeout
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            if len(self._connections) > self.max_connections:
+                await self._send(writer, error(ErrorCode.INTERNAL, "too many connections", "try again shortly"))
+                return
+            sock = writer.get_extra_info("socket")
+            peer = peer_credentials(sock)
+            await self._session(reader, writer, peer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
+        user = self.engine.user_name(peer.uid)
+        ctx = Context(self.engine, peer, user, self.engine.is_admin(peer.uid), self.backend_name,
+                      self.request_shutdown)
+        greeted = False
+        while not self._closing:
+            try:
+                header = await reader.readexactly(HEADER.size)
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
+                return
+            try:
+                body = await reader.readexactly(frame_length(header))
+            except ProtocolError as exc:
+                # The announced body is not read, so the stream cannot be resynchronised: close.
+                await self._send(writer, error(exc.code, exc.message, exc.hint))
+                return
+            self._begin()
+            try:
+                reply, greeted = await self._answer(ctx, body, greeted)
+            finally:
+                self._end()
+            await self._send(writer, reply)
+
+    async def _answer(self, ctx: Context, body: bytes, greeted: bool) -> tuple[dict[str, Any], bool]:
+        try:
+            obj = decode_body(body)
+            request = parse_request(obj)
+            if not greeted and not isinstance(request, HelloRequest):
+                raise ProtocolError(ErrorCode.HELLO_REQUIRED, "the first request on a connection must be hello")
+            if isinstance(request, HelloRequest):
+                self._check_peer_allowed(ctx)
+            if self._closing and not isinstance(request, HelloRequest):
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", "retry in a moment")
+            result = HANDLERS[request.op](ctx, request)
+            if inspect.isawaitable(result):
+                result = await result
+            return ok(result), greeted or isinstance(request, HelloRequest)
+        except ProtocolError as exc:
+            return error(exc.code, exc.message, exc.hint), greeted
+        except Exception:
+            log.exception("handler failed for uid %d", ctx.peer.uid)
+            return error(ErrorCode.INTERNAL, "internal error in gpuschedd", "see the daemon's log"), greeted
+
+    def _check_peer_allowed(self, ctx: Context) -> None:
+        me = os.geteuid()
+        if me != 0 and ctx.peer.uid != me:
+            owner = _name(me)
+            raise ProtocolError(
+                ErrorCode.PERMISSION_DENIED,
+                f"this gpuschedd runs unprivileged as {owner} and serves only {owner}",
+                "use the system daemon (run as root), or start your own with `gpuschedd --sim ...`",
+            )
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        writer.write(encode_frame(message))
+        await writer.drain()
+
+
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"

@@ -1,0 +1,207 @@
+"""SQLite persistence (WAL). Every acknowledged change is committed before the daemon answers.
+
+The store persists the model (jobs, their histories, scheduler standing), never runtime handles:
+pids are kept only so that recovery can check them against the shim's records on the next start.
+Illegal state transitions raise instead of being written, so a bug cannot corrupt a history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gpusched.model import TRANSITIONS, Allocation, Job, JobSpec, JobState, Transition
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    exit_code INTEGER,
+    signal INTEGER,
+    reason TEXT NOT NULL DEFAULT '',
+    allocation TEXT,
+    pid INTEGER
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE TABLE IF NOT EXISTS transitions (
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    seq INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    at REAL NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+"""
+
+_UPDATABLE = frozenset({"started_at", "ended_at", "exit_code", "signal", "allocation", "pid"})
+
+
+class StoreError(Exception):
+    """The store refused a change (illegal transition, unknown job)."""
+
+
+class Store:
+    """One SQLite connection, used from the daemon's event-loop thread only."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # an ack means the change survives power loss
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        version = self.get_meta("schema_version")
+        if version is None:
+            self.set_meta("schema_version", str(SCHEMA_VERSION))
+        elif int(version) > SCHEMA_VERSION:
+            raise StoreError(
+                f"{path}: database schema {version} is newer than this gpusched understands ({SCHEMA_VERSION})"
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # ---- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted") -> Job:
+        """Insert a PENDING job and its first transition in one transaction; returns the stored job."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (uid, gid, user, spec.model_dump_json(), JobState.PENDING.value, now, reason),
+            )
+            job_id = cur.lastrowid
+            assert job_id is not None
+            db.execute(
+                "INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, 0, ?, ?, ?)",
+                (job_id, JobState.PENDING.value, now, reason),
+            )
+        return Job(
+            id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=JobState.PENDING, submitted_at=now,
+            reason=reason, history=[Transition(state=JobState.PENDING, at=now, reason=reason)],
+        )
+
+    def transition(self, job: Job, new: JobState, *, now: float, reason: str, **fields: Any) -> Job:
+        """Commit `job -> new` with its reason, plus column updates; returns the updated job."""
+        if new not in TRANSITIONS[job.state]:
+            raise StoreError(f"job {job.id}: illegal transition {job.state} -> {new} ({reason})")
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise StoreError(f"job {job.id}: cannot update {sorted(unknown)}")
+        columns = {k: _encode(v) for k, v in fields.items()}
+        assignments = ", ".join(f"{k} = ?" for k in columns)
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE jobs SET state = ?, reason = ?{', ' + assignments if assignments else ''} WHERE id = ?",
+                (new.value, reason, *columns.values(), job.id),
+            )
+            db.execute(
+                "INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
+                (job.id, len(job.history), new.value, now, reason),
+            )
+        updated = job.model_copy(
+            update={**fields, "state": new, "reason": reason,
+                    "history": [*job.history, Transition(state=new, at=now, reason=reason)]}
+        )
+        return updated
+
+    def update(self, job: Job, **fields: Any) -> Job:
+        """Change columns without a state change (e.g. the pid once the shim reports it)."""
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise StoreError(f"job {job.id}: cannot update {sorted(unknown)}")
+        columns = {k: _encode(v) for k, v in fields.items()}
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in columns)} WHERE id = ?", (*columns.values(), job.id)
+            )
+        return job.model_copy(update=fields)
+
+    def get(self, job_id: int) -> Job | None:
+        rows = list(self._select("WHERE id = ?", (job_id,)))
+        return rows[0] if rows else None
+
+    def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
+        """Jobs in the given states, in submission order (the order pending jobs were acknowledged)."""
+        names = [s.value for s in states]
+        marks = ", ".join("?" for _ in names)
+        return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
+
+    def recent(self, limit: int, user: str | None = None) -> list[Job]:
+        """The newest `limit` jobs (any state), oldest first."""
+        where, args = ("WHERE user = ?", (user,)) if user is not None else ("", ())
+        rows = list(self._select(f"{where} ORDER BY id DESC LIMIT ?", (*args, limit)))
+        rows.reverse()
+        return rows
+
+    def _select(self, where: str, args: tuple[Any, ...]) -> Iterator[Job]:
+        cur = self._db.execute(
+            "SELECT id, uid, gid, user, spec, state, submitted_at, started_at, ended_at, exit_code, signal, reason,"
+            f" allocation, pid FROM jobs {where}",
+            args,
+        )
+        rows = cur.fetchall()
+        histories = self._histories([r[0] for r in rows])
+        for r in rows:
+            yield Job(
+                id=r[0], uid=r[1], gid=r[2], user=r[3], spec=JobSpec.model_validate_json(r[4]), state=JobState(r[5]),
+                submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
+                allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
+                history=histories.get(r[0], []),
+            )
+
+    def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
+        out: dict[int, list[Transition]] = {}
+        for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
+            chunk = ids[start : start + 500]
+            marks = ", ".join("?" for _ in chunk)
+            for job_id, state, at, reason in self._db.execute(
+                f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
+                chunk,
+            ):
+                out.setdefault(job_id, []).append(Transition(state=JobState(state), at=at, reason=reason))
+        return out
+
+    # ---- metadata (scheduler standing, schema version) --------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
+                       (key, value, value))
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Allocation):
+        return value.model_dump_json()
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return value

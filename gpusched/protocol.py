@@ -1,0 +1,368 @@
+"""Wire format shared by daemon and client: framed JSON and one pydantic model per request.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object).
+Frames over `MAX_FRAME` are refused before they are read, so a client cannot make the daemon buffer
+more than that. The first exchange on a connection is `hello`; a different major version is refused
+with a message naming both versions. See docs/protocol.md (kept in step by a test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from gpusched.model import Job, JobSpec, JobState
+
+PROTOCOL_VERSION = "1.0"
+MAX_FRAME = 1 << 20  # 1 MiB
+HEADER = struct.Struct(">I")
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes; scripts may match on them."""
+
+    BAD_FRAME = "bad_frame"  # not a frame: too large, not UTF-8, not a JSON object
+    BAD_REQUEST = "bad_request"  # a JSON object that is not a valid request
+    VERSION_MISMATCH = "version_mismatch"
+    HELLO_REQUIRED = "hello_required"
+    NOT_FOUND = "not_found"
+    PERMISSION_DENIED = "permission_denied"
+    UNSATISFIABLE = "unsatisfiable"
+    INVALID_STATE = "invalid_state"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """An error that travels to the peer as `{ok: false, error: {...}}`."""
+
+    def __init__(self, code: ErrorCode, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.hint = hint
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HelloRequest(_Req):
+    op: Literal["hello"] = "hello"
+    version: str = Field(description="the client's PROTOCOL_VERSION, MAJOR.MINOR")
+    client: str = Field(default="", max_length=64)
+
+
+class SubmitRequest(_Req):
+    op: Literal["submit"] = "submit"
+    spec: JobSpec
+
+
+class QueueRequest(_Req):
+    op: Literal["queue"] = "queue"
+    all: bool = Field(default=False, description="include finished jobs")
+    user: str | None = Field(default=None, description="only this user's jobs")
+    limit: int = Field(default=1000, ge=1, le=100_000, description="newest finished jobs kept with --all")
+
+
+class ShowRequest(_Req):
+    op: Literal["show"] = "show"
+    job_id: int = Field(ge=1)
+
+
+class CancelRequest(_Req):
+    op: Literal["cancel"] = "cancel"
+    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+
+
+class LogsRequest(_Req):
+    op: Literal["logs"] = "logs"
+    job_id: int = Field(ge=1)
+    offset: int = Field(default=0, ge=0, description="byte offset to read from")
+    max_bytes: int = Field(default=256 * 1024, ge=1, le=512 * 1024)
+    wait_s: float = Field(default=0.0, ge=0.0, le=30.0, description="long-poll for new output")
+
+
+class WaitRequest(_Req):
+    op: Literal["wait"] = "wait"
+    job_id: int = Field(ge=1)
+    timeout_s: float = Field(default=30.0, ge=0.0, le=300.0)
+
+
+class GpusRequest(_Req):
+    op: Literal["gpus"] = "gpus"
+
+
+class ShutdownRequest(_Req):
+    op: Literal["shutdown"] = "shutdown"
+
+
+Request = Annotated[
+    HelloRequest
+    | SubmitRequest
+    | QueueRequest
+    | ShowRequest
+    | CancelRequest
+    | LogsRequest
+    | WaitRequest
+    | GpusRequest
+    | ShutdownRequest,
+    Field(discriminator="op"),
+]
+REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
+
+
+# ---- results -------------------------------------------------------------------------------------
+
+
+class _Res(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HelloResult(_Res):
+    version: str
+    daemon_version: str
+    uid: int
+    user: str
+    admin: bool
+    backend: str
+
+
+class SubmitResult(_Res):
+    job_id: int
+    state: JobState
+
+
+class JobSummary(_Res):
+    """One row of `queue`; a stable shape for `--json`."""
+
+    id: int
+    name: str
+    user: str
+    uid: int
+    state: JobState
+    request: str
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    devices: list[str]
+    reason: str
+
+
+class QueueResult(_Res):
+    jobs: list[JobSummary]
+
+
+class ShowResult(_Res):
+    job: Job
+    waiting_reason: str | None = None
+    log_path: str | None = None
+
+
+class CancelResult(_Res):
+    cancelled: list[int]
+    already_finished: list[int] = Field(default_factory=list)
+
+
+class LogsResult(_Res):
+    data: str
+    next_offset: int
+    eof: bool = Field(description="the job has finished and everything was read")
+
+
+class WaitResult(_Res):
+    job: Job
+    finished: bool
+
+
+class InstanceInfo(_Res):
+    uuid: str
+    profile: str
+    start: int
+    size: int
+    memory_mib: int
+    sm_count: int
+    health: str
+    jobs: list[int]
+    users: list[str]
+
+
+class GpuInfo(_Res):
+    index: int
+    uuid: str
+    name: str
+    model: str
+    memory_total_mib: int
+    memory_used_mib: int | None
+    sm_count: int
+    mig_enabled: bool
+    mig_pending: bool
+    health: str
+    instances: list[InstanceInfo]
+    jobs: list[int]
+    users: list[str]
+
+
+class GpusResult(_Res):
+    backend: str
+    driver_version: str
+    gpus: list[GpuInfo]
+
+
+class ShutdownResult(_Res):
+    stopping: bool
+
+
+class ErrorBody(_Res):
+    code: ErrorCode
+    message: str
+    hint: str = ""
+
+
+class ErrorResponse(_Res):
+    ok: Literal[False] = False
+    error: ErrorBody
+
+
+RESULT_TYPES: dict[str, type[BaseModel]] = {
+    "hello": HelloResult,
+    "submit": SubmitResult,
+    "queue": QueueResult,
+    "show": ShowResult,
+    "cancel": CancelResult,
+    "logs": LogsResult,
+    "wait": WaitResult,
+    "gpus": GpusResult,
+    "shutdown": ShutdownResult,
+}
+
+
+# ---- framing -------------------------------------------------------------------------------------
+
+
+def encode_frame(obj: dict[str, Any]) -> bytes:
+    """Serialise one message; refuses to build a frame the peer would reject."""
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """Length announced by a header; raises BAD_FRAME for frames over the limit or empty ones."""
+    length: int = HEADER.unpack(header)[0]
+    if length > MAX_FRAME:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    if length == 0:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "empty frame")
+    return length
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """Parse a frame body into a JSON object, with an error that says what was wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame must hold a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+def parse_request(obj: dict[str, Any]) -> Request:
+    """Validate a request object; the error names the first bad field and what is wrong with it."""
+    try:
+        return REQUEST_ADAPTER.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """`field.path: problem` for each error (at most 3), e.g. `spec.request.gpus: must be >= 1`."""
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in _strip_tags(err["loc"]))
+        if not loc:
+            loc = "op" if err["type"].startswith("union_tag") else "(message)"
+        parts.append(f"{loc}: {err['msg']}")
+    more = len(exc.errors()) - 3
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+_UNION_TAGS = {"request": {"whole", "mig", "share"}}
+
+
+def _strip_tags(loc: tuple[int | str, ...]) -> list[int | str]:
+    """Drop the discriminator values pydantic puts in error paths (`submit.spec.request.whole.gpus`)."""
+    out: list[int | str] = []
+    for i, part in enumerate(loc):
+        if i == 0 and isinstance(part, str) and part in RESULT_TYPES:
+            continue
+        if out and isinstance(out[-1], str) and part in _UNION_TAGS.get(out[-1], ()):
+            continue
+        out.append(part)
+    return out
+
+
+def ok(result: BaseModel) -> dict[str, Any]:
+    return {"ok": True, "result": result.model_dump(mode="json")}
+
+
+def error(code: ErrorCode, message: str, hint: str = "") -> dict[str, Any]:
+    return ErrorResponse(error=ErrorBody(code=code, message=message, hint=hint)).model_dump(mode="json")
+
+
+def check_version(peer: str) -> None:
+    """Refuse a peer whose major version differs; minor versions are compatible by design."""
+    mine = PROTOCOL_VERSION.split(".", 1)[0]
+    theirs = peer.split(".", 1)[0]
+    if mine != theirs:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol version mismatch: daemon speaks {PROTOCOL_VERSION}, client speaks {peer}",
+            "install the same gpusched version for the client and the daemon",
+        )
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of every request and result; docs/protocol.md embeds it."""
+    requests = REQUEST_ADAPTER.json_schema(ref_template="#/$defs/{model}")
+    results = {name: model.model_json_schema(ref_template="#/$defs/{model}") for name, model in RESULT_TYPES.items()}
+    defs: dict[str, Any] = dict(requests.pop("$defs", {}))
+    for schema in results.values():
+        defs.update(schema.pop("$defs", {}))
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/$defs/{model}")
+    defs.update(error_schema.pop("$defs", {}))
+    defs["ErrorResponse"] = error_schema
+    return {"request": requests, "results": results, "$defs": dict(sorted(defs.items()))}
+
+
+ROOT_SOCKET = "/run/gpusched/gpusched.sock"
+
+
+def user_socket(uid: int, env: Mapping[str, str]) -> str:
+    """Where an unprivileged daemon of `uid` listens: $XDG_RUNTIME_DIR, else /tmp/gpusched-$UID."""
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "gpusched", "gpusched.sock")
+    return f"/tmp/gpusched-{uid}/gpusched.sock"
+
+
+def socket_candidates(uid: int, env: Mapping[str, str]) -> list[str]:
+    """Default sockets in the order the client tries them: the system daemon, then the user's own."""
+    candidates = [ROOT_SOCKET, user_socket(uid, env)]
+    fallback = f"/tmp/gpusched-{uid}/gpusched.sock"
+    if fallback not in candidates:
+        candidates.append(fallback)
+    return candidates
