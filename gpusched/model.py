@@ -95,6 +95,13 @@ class ShareRequest(_Frozen):
 
 ResourceRequest = Annotated[WholeRequest | MigRequest | ShareRequest, Field(discriminator="kind")]
 
+class Dependency(_Frozen):
+    """`--after ID[:ok|any]`: start only after job ID has ended (`ok`: ended COMPLETED)."""
+
+    job_id: int = Field(ge=1)
+    condition: Literal["ok", "any"] = "ok"
+
+
 JobClass = Literal["batch", "interactive"]
 Precision = Literal["fp16", "bf16", "fp32", "tf32"]
 
@@ -112,6 +119,9 @@ class JobSpec(_Frozen):
     nice: int = Field(default=0, ge=0, le=19)
     requeue: bool = False
     precision: Precision | None = None
+    after: list[Dependency] = Field(default_factory=list, max_length=64)
+    cpus: int | None = Field(default=None, ge=1, le=4096, description="host CPU cores")
+    mem_mib: int | None = Field(default=None, ge=1, description="host memory limit in MiB")
 
     @field_validator("cwd")
     @classmethod

@@ -62,6 +62,7 @@ class HelloRequest(_Req):
 class SubmitRequest(_Req):
     op: Literal["submit"] = "submit"
     spec: JobSpec
+    hold: bool = Field(default=False, description="submit in HELD state (start only after release)")
 
 
 class QueueRequest(_Req):
@@ -95,6 +96,32 @@ class WaitRequest(_Req):
     timeout_s: float = Field(default=30.0, ge=0.0, le=300.0)
 
 
+class SuspendRequest(_Req):
+    """SIGSTOP the whole job; it keeps its devices and GPU memory."""
+
+    op: Literal["suspend"] = "suspend"
+    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+
+
+class ResumeRequest(_Req):
+    """SIGCONT a suspended job."""
+
+    op: Literal["resume"] = "resume"
+    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+
+
+class HoldRequest(_Req):
+    """Keep pending jobs from starting until released."""
+
+    op: Literal["hold"] = "hold"
+    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+
+
+class ReleaseRequest(_Req):
+    op: Literal["release"] = "release"
+    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+
+
 class GpusRequest(_Req):
     op: Literal["gpus"] = "gpus"
 
@@ -111,6 +138,10 @@ Request = Annotated[
     | CancelRequest
     | LogsRequest
     | WaitRequest
+    | SuspendRequest
+    | ResumeRequest
+    | HoldRequest
+    | ReleaseRequest
     | GpusRequest
     | ShutdownRequest,
     Field(discriminator="op"),
@@ -169,6 +200,13 @@ class ShowResult(_Res):
 class CancelResult(_Res):
     cancelled: list[int]
     already_finished: list[int] = Field(default_factory=list)
+
+
+class JobsChanged(_Res):
+    """Result of suspend / resume / hold / release: which jobs changed and which were left as they were."""
+
+    changed: list[int]
+    unchanged: dict[int, str] = Field(default_factory=dict, description="job id -> why it was not changed")
 
 
 class LogsResult(_Res):
@@ -239,6 +277,10 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "cancel": CancelResult,
     "logs": LogsResult,
     "wait": WaitResult,
+    "suspend": JobsChanged,
+    "resume": JobsChanged,
+    "hold": JobsChanged,
+    "release": JobsChanged,
     "gpus": GpusResult,
     "shutdown": ShutdownResult,
 }

@@ -42,8 +42,13 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
 
 
 def short_tmpdir() -> str:
-    """AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer."""
-    return tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    """AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer.
+
+    Mode 0755 so that clients running as other uids (identity tests) can reach the socket.
+    """
+    path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    os.chmod(path, 0o755)
+    return path
 
 
 @dataclass

@@ -34,7 +34,7 @@ from gpusched.core.scheduler import (
 from gpusched.daemon.executor import Executor, ExitStatus, Identity
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
-from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Allocation, Job, JobSpec, JobState
+from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Allocation, Dependency, Job, JobSpec, JobState
 from gpusched.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("gpusched.engine")
@@ -71,6 +71,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._stops: dict[int, StopRequest] = {}
+        self._final_states: dict[int, JobState] = {}  # ended jobs others may depend on
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -134,7 +135,7 @@ class Engine:
 
     # ---- requests from handlers ----------------------------------------------------------------
 
-    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec) -> Job:
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool = False) -> Job:
         """Validate against this node, commit, then wake the loop. Raises ProtocolError."""
         if uid == 0 and not self.config.allow_root_jobs:
             raise ProtocolError(
@@ -144,8 +145,13 @@ class Engine:
         reason = unsatisfiable_reason(spec.request, self.inventory.gpus)
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
+        for dep in spec.after:
+            if self.get(dep.job_id) is None:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"after: no job {dep.job_id} to depend on")
         job = self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=self.clock())
         self.jobs[job.id] = job
+        if hold:
+            job = self._set(job, JobState.HELD, "held at submission")
         self._notify()
         self.wake()
         return job
@@ -162,6 +168,40 @@ class Engine:
         self.wake()
         return True
 
+    def suspend(self, job: Job, reason: str) -> str | None:
+        """SIGSTOP a running job's process group; returns why not, or None when done."""
+        job = self.jobs.get(job.id, job)
+        if job.state is not JobState.RUNNING or not job.pid:
+            return f"job is {job.state}, not RUNNING"
+        if job.id in self._stops:
+            return "job is already being stopped"
+        self.executor.signal(job.pid, signal.SIGSTOP)
+        self._set(job, JobState.SUSPENDED, f"{reason}; still holds its devices and GPU memory")
+        return None
+
+    def resume(self, job: Job, reason: str) -> str | None:
+        job = self.jobs.get(job.id, job)
+        if job.state is not JobState.SUSPENDED or not job.pid:
+            return f"job is {job.state}, not SUSPENDED"
+        self.executor.signal(job.pid, signal.SIGCONT)
+        self._set(job, JobState.RUNNING, reason)
+        return None
+
+    def hold(self, job: Job, reason: str) -> str | None:
+        job = self.jobs.get(job.id, job)
+        if job.state is not JobState.PENDING:
+            return f"job is {job.state}, not PENDING"
+        self._set(job, JobState.HELD, reason)
+        return None
+
+    def release(self, job: Job, reason: str) -> str | None:
+        job = self.jobs.get(job.id, job)
+        if job.state is not JobState.HELD:
+            return f"job is {job.state}, not HELD"
+        self._set(job, JobState.PENDING, reason)
+        self.wake()
+        return None
+
     def get(self, job_id: int) -> Job | None:
         return self.jobs.get(job_id) or self.store.get(job_id)
 
@@ -174,8 +214,14 @@ class Engine:
                 await asyncio.wait_for(self._changed.wait(), timeout)
 
     def waiting_reason(self, job: Job) -> str | None:
+        if job.state is JobState.HELD:
+            return "held: `gpusched release` lets it start"
         if job.state is not JobState.PENDING:
             return None
+        unmet = [d for d in job.spec.after if self._dependency_status(d) is None]
+        if unmet:
+            return "waiting for " + ", ".join(
+                f"job {d.job_id} to {'complete' if d.condition == 'ok' else 'end'}" for d in unmet)
         explain = getattr(self.scheduler, "explain", None)
         if callable(explain):
             return str(explain(job.id))
@@ -188,13 +234,42 @@ class Engine:
         jobs = sorted(self.jobs.values(), key=lambda j: j.id)
         return Snapshot(
             gpus=self.inventory.gpus,
-            pending=tuple(j for j in jobs if j.state is JobState.PENDING),
+            pending=tuple(j for j in jobs if j.state is JobState.PENDING and self._ready(j)),
             active=tuple(j for j in jobs if j.state in ACTIVE_STATES),
             unschedulable=frozenset(g.uuid for g in self.inventory.gpus if g.index in self.inventory.errors),
         )
 
+    def _dependency_status(self, dep: Dependency) -> bool | None:
+        """True when met, False when it can never be met, None while the other job has not ended."""
+        other = self.jobs.get(dep.job_id)
+        if other is not None:
+            return None  # unfinished jobs live in self.jobs
+        final = self._final_states.get(dep.job_id)
+        if final is None:
+            ended = self.store.get(dep.job_id)
+            if ended is None:
+                return False
+            final = self._final_states[dep.job_id] = ended.state
+        return dep.condition == "any" or final is JobState.COMPLETED
+
+    def _ready(self, job: Job) -> bool:
+        return all(self._dependency_status(d) for d in job.spec.after)
+
+    def _fail_broken_dependencies(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.state not in (JobState.PENDING, JobState.HELD):
+                continue
+            for dep in job.spec.after:
+                if self._dependency_status(dep) is False:
+                    final = self._final_states.get(dep.job_id, "unknown")
+                    self._set(job, JobState.FAILED,
+                              f"dependency can never be met: job {dep.job_id} ended {final}, needed COMPLETED",
+                              ended_at=self.clock())
+                    break
+
     async def _pass(self) -> None:
         self.passes += 1
+        self._fail_broken_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
         for action in actions:
             await self._apply(action)
@@ -239,7 +314,10 @@ class Engine:
             return
         job = self.jobs[job.id]
         if not started.error:
-            self._set(job, JobState.RUNNING, "started", pid=started.pid)
+            job = self._set(job, JobState.RUNNING, "started", pid=started.pid)
+            stop = self._stops.get(job.id)
+            if stop is not None:  # cancelled (or timed out) while it was starting
+                self._signal_stop(job)
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
         self._spawn(self._reap(job.id))
@@ -255,7 +333,7 @@ class Engine:
         return Identity(job.uid, job.gid, groups, drop=True)
 
     def _job_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
-        env = dict(job.spec.env)
+        env = _login_defaults(job) | dict(job.spec.env)  # `--export NONE` still gets a sane login env
         env.update(allocation.env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)
         env["GPUSCHED_JOB_ID"] = str(job.id)
@@ -338,7 +416,11 @@ class Engine:
             return
         self._stops[job.id] = stop
         self._persist_stops()
-        if job.pid:
+        self._signal_stop(job)
+
+    def _signal_stop(self, job: Job) -> None:
+        """Carry out a recorded stop once the job has a pid (a STARTING job gets it when it runs)."""
+        if job.pid and job.id not in self._kill_timers:
             if job.state is JobState.SUSPENDED:
                 self.executor.signal(job.pid, signal.SIGCONT)  # a stopped job cannot handle SIGTERM
             self.executor.signal(job.pid, signal.SIGTERM)
@@ -351,8 +433,8 @@ class Engine:
         now = self.clock()
         for job in list(self.jobs.values()):
             limit = job.spec.time_limit_s
-            if job.state in ACTIVE_STATES and limit is not None and job.started_at is not None \
-                    and now - job.started_at > limit and job.id not in self._stops:
+            if job.state is JobState.RUNNING and limit is not None and job.id not in self._stops \
+                    and run_seconds(job, now) > limit:
                 self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {limit:g}s reached"))
 
     def _persist_stops(self) -> None:
@@ -366,6 +448,7 @@ class Engine:
         updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
+            self._final_states[job.id] = state
         else:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
@@ -403,6 +486,31 @@ class Engine:
         except KeyError:
             return False
         return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
+
+
+def _login_defaults(job: Job) -> dict[str, str]:
+    try:
+        entry = pwd.getpwuid(job.uid)
+    except KeyError:
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "USER": job.user, "LOGNAME": job.user}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": entry.pw_dir, "USER": entry.pw_name,
+            "LOGNAME": entry.pw_name, "SHELL": entry.pw_shell or "/bin/sh"}
+
+
+def run_seconds(job: Job, now: float) -> float:
+    """Time the job has spent RUNNING in its current run (suspended time does not count)."""
+    total, since = 0.0, None
+    for t in job.history:
+        if t.state is JobState.RUNNING:
+            since = t.at
+        elif since is not None:
+            total += t.at - since
+            since = None
+        if t.state is JobState.PENDING:  # a requeue starts a new run
+            total, since = 0.0, None
+    if since is not None:
+        total += now - since
+    return total
 
 
 def _signame(signum: int) -> str:

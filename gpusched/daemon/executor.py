@@ -62,7 +62,8 @@ class Executor:
         self.jobs_dir = os.path.join(state_dir, "jobs")
         self.logs_dir = os.path.join(state_dir, "logs")
         os.makedirs(self.jobs_dir, mode=0o700, exist_ok=True)
-        os.makedirs(self.logs_dir, mode=0o755, exist_ok=True)
+        os.makedirs(self.logs_dir, mode=0o711, exist_ok=True)
+        os.chmod(self.logs_dir, 0o711)  # owners open their own log by name; nobody lists the others
         self.python = python
         self._shims: dict[int, _Shim] = {}
 

@@ -25,19 +25,24 @@ from gpusched.protocol import (
     GpusResult,
     HelloRequest,
     HelloResult,
+    HoldRequest,
     InstanceInfo,
+    JobsChanged,
     JobSummary,
     LogsRequest,
     LogsResult,
     ProtocolError,
     QueueRequest,
     QueueResult,
+    ReleaseRequest,
+    ResumeRequest,
     ShowRequest,
     ShowResult,
     ShutdownRequest,
     ShutdownResult,
     SubmitRequest,
     SubmitResult,
+    SuspendRequest,
     WaitRequest,
     WaitResult,
     check_version,
@@ -72,7 +77,7 @@ def hello(ctx: Context, req: HelloRequest) -> HelloResult:
 
 
 def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
-    job = ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec)
+    job = ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec, hold=req.hold)
     return SubmitResult(job_id=job.id, state=job.state)
 
 
@@ -139,6 +144,39 @@ async def wait(ctx: Context, req: WaitRequest) -> WaitResult:
         await ctx.engine.wait_for_change(remaining)
 
 
+def suspend(ctx: Context, req: SuspendRequest) -> JobsChanged:
+    return _each(ctx, req.job_ids, "suspend", lambda job, why: ctx.engine.suspend(job, why), "suspended")
+
+
+def resume(ctx: Context, req: ResumeRequest) -> JobsChanged:
+    return _each(ctx, req.job_ids, "resume", lambda job, why: ctx.engine.resume(job, why), "resumed")
+
+
+def hold(ctx: Context, req: HoldRequest) -> JobsChanged:
+    return _each(ctx, req.job_ids, "hold", lambda job, why: ctx.engine.hold(job, why), "held")
+
+
+def release(ctx: Context, req: ReleaseRequest) -> JobsChanged:
+    return _each(ctx, req.job_ids, "release", lambda job, why: ctx.engine.release(job, why), "released")
+
+
+def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str], str | None],
+          past: str) -> JobsChanged:
+    """Apply `act` to every job after checking all of them exist and are the caller's (all or nothing)."""
+    jobs = [_find(ctx, job_id) for job_id in job_ids]
+    for job in jobs:
+        _require_owner(ctx, job, verb)
+    changed, unchanged = [], {}
+    for job in jobs:
+        by = "" if job.uid == ctx.peer.uid else f" by {ctx.user}"
+        why_not = act(job, f"{past}{by}")
+        if why_not is None:
+            changed.append(job.id)
+        else:
+            unchanged[job.id] = why_not
+    return JobsChanged(changed=changed, unchanged=unchanged)
+
+
 def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
     inventory = ctx.engine.inventory
     holders: dict[str, list[Job]] = {}
@@ -178,7 +216,8 @@ def shutdown(ctx: Context, req: ShutdownRequest) -> ShutdownResult:
 Handler = Callable[[Context, Any], Any | Awaitable[Any]]
 HANDLERS: dict[str, Handler] = {
     "hello": hello, "submit": submit, "queue": queue, "show": show, "cancel": cancel,
-    "logs": logs, "wait": wait, "gpus": gpus, "shutdown": shutdown,
+    "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
+    "gpus": gpus, "shutdown": shutdown,
 }
 
 

@@ -66,7 +66,9 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     """Boot every part and start serving; raises StartupError with an actionable message."""
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
-    os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+    # 0711: job owners must reach their own log (STATE/logs/ID.log) but may not list anything.
+    os.makedirs(config.state_dir, mode=0o711, exist_ok=True)
+    os.chmod(config.state_dir, 0o711)
     try:
         store = Store(config.db_path)
     except (StoreError, OSError) as exc:

@@ -61,6 +61,7 @@ class Store:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         self.path = path
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # an ack means the change survives power loss
         self._db.execute("PRAGMA foreign_keys=ON")
