@@ -48,6 +48,17 @@ class DaemonConfig(BaseModel):
     tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
+    cgroup_root: str = Field(
+        default="auto",
+        description="delegated cgroup v2 directory for per-job cgroups; \"auto\" uses the service's own cgroup "
+        "when systemd delegated it (Delegate=yes), \"off\" disables cgroups (CPU affinity only)",
+    )
+    cuda_device_max_connections: int | None = Field(
+        default=None, ge=1, le=32, description="CUDA_DEVICE_MAX_CONNECTIONS given to every job when set"
+    )
+    job_mapping_dir: str | None = Field(
+        default=None, description="write dcgm-exporter HPC job-mapping files here (its --hpc-job-mapping-dir)"
+    )
 
     @field_validator("gpus")
     @classmethod

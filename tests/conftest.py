@@ -140,9 +140,9 @@ def daemon_factory() -> Iterator[Callable[..., DaemonHandle]]:
 
     def make(sim: str = "H100-80GB:2", **overrides: Any) -> DaemonHandle:
         base = short_tmpdir()
+        defaults = {"kill_grace_s": 2.0, "tick_s": 0.2, "allow_root_jobs": True, "cgroup_root": "off"}
         handle = DaemonHandle(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
-                              sim=sim, overrides={"kill_grace_s": 2.0, "tick_s": 0.2, "allow_root_jobs": True,
-                                                  **overrides})
+                              sim=sim, overrides={**defaults, **overrides})
         handles.append(handle)
         return handle.start()
 
@@ -173,7 +173,7 @@ class DaemonProcess:
         self.log_path = os.path.join(os.path.dirname(self.socket), "daemon.log")
         config = os.path.join(os.path.dirname(self.socket), "gpusched.toml")
         with open(config, "w") as f:  # tests run as root: let root submit, keep time short
-            f.write("allow_root_jobs = true\nkill_grace_s = 2.0\ntick_s = 0.2\n")
+            f.write('allow_root_jobs = true\nkill_grace_s = 2.0\ntick_s = 0.2\ncgroup_root = "off"\n')
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,

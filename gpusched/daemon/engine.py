@@ -31,7 +31,9 @@ from gpusched.core.scheduler import (
     StartJob,
     unsatisfiable_reason,
 )
+from gpusched.daemon.cgroups import CgroupError, CgroupManager, JobLimits
 from gpusched.daemon.executor import Executor, ExitStatus, Identity
+from gpusched.daemon.jobmap import job_mapping, write_job_mapping
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Allocation, Dependency, Job, JobSpec, JobState
@@ -59,6 +61,7 @@ class Engine:
         executor: Executor,
         scheduler: Scheduler,
         clock: Callable[[], float] = time.time,
+        cgroups: CgroupManager | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -66,6 +69,8 @@ class Engine:
         self.executor = executor
         self.scheduler = scheduler
         self.clock = clock
+        self.cgroups = cgroups
+        self.cgroup_note = ""  # what `doctor` says about per-job cgroups
         self.jobs: dict[int, Job] = {}
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
@@ -89,6 +94,7 @@ class Engine:
         for key, (final, reason) in (json.loads(stops) if stops else {}).items():
             self._stops[int(key)] = StopRequest(JobState(final), reason)
         await self._recover()
+        self._write_job_mapping()
         self._loop_task = asyncio.create_task(self._run(), name="gpusched-engine")
 
     async def stop(self) -> None:
@@ -306,10 +312,11 @@ class Engine:
         job = self._set(job, JobState.STARTING, action.reason, allocation=action.allocation, started_at=now)
         try:
             who = self._identity(job)
+            cgroup, cpuset = self._limits(job, action.allocation)
             started = await self.executor.start(
-                job.id, job.spec.argv, job.spec.cwd, self._job_env(job, action.allocation), who
+                job.id, job.spec.argv, job.spec.cwd, self._job_env(job, action.allocation), who, cgroup, cpuset
             )
-        except (OSError, KeyError) as exc:
+        except (OSError, KeyError, CgroupError) as exc:
             self._set(job, JobState.FAILED, f"could not launch: {exc}", ended_at=self.clock())
             return
         job = self.jobs[job.id]
@@ -321,6 +328,17 @@ class Engine:
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
         self._spawn(self._reap(job.id))
+
+    def _limits(self, job: Job, allocation: Allocation) -> tuple[str | None, tuple[int, ...]]:
+        """The job's cgroup (with memory, CPU and cpuset limits) or, without one, a CPU affinity."""
+        gpu_indices = {d.gpu_index for d in allocation.devices}
+        near = tuple(sorted({c for g in self.inventory.gpus if g.index in gpu_indices for c in g.cpu_affinity}))
+        if self.cgroups is not None:
+            mem = job.spec.mem_mib * 2**20 if job.spec.mem_mib else None
+            return self.cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=near)), ()
+        # No cgroup: pin to CPUs near the GPU, and to at most --cpus of them (memory is not enforced).
+        pool = near or tuple(sorted(os.sched_getaffinity(0)))
+        return None, pool[: job.spec.cpus] if job.spec.cpus else near
 
     def _identity(self, job: Job) -> Identity:
         if os.geteuid() != 0:
@@ -335,6 +353,8 @@ class Engine:
     def _job_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
         env = _login_defaults(job) | dict(job.spec.env)  # `--export NONE` still gets a sane login env
         env.update(allocation.env)
+        if self.config.cuda_device_max_connections is not None:
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(self.config.cuda_device_max_connections)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)
         env["GPUSCHED_JOB_ID"] = str(job.id)
         env["GPUSCHED_ALLOCATION"] = allocation.model_dump_json(exclude={"env"})
@@ -390,6 +410,8 @@ class Engine:
             timer.cancel()
         stop = self._stops.pop(job_id, None)
         self._persist_stops()
+        if self.cgroups is not None and not self.cgroups.remove(job_id):
+            log.warning("job %d: cgroup %s still has processes; left in place", job_id, self.cgroups.job_path(job_id))
         ended = status.ended_at or self.clock()
         fields = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
         if status.error:
@@ -452,8 +474,19 @@ class Engine:
         else:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
+            self._write_job_mapping()
         self._notify()
         return updated
+
+    def _write_job_mapping(self) -> None:
+        if self.config.job_mapping_dir is None:
+            return
+        active = [j for j in self.jobs.values() if j.state in ACTIVE_STATES]
+        try:
+            write_job_mapping(self.config.job_mapping_dir, job_mapping(self.inventory.gpus, active))
+        except OSError as exc:
+            log.warning("cannot write job mapping files in %s: %s", self.config.job_mapping_dir, exc)
 
     def _notify(self) -> None:
         self._spawn(self._notify_all())

@@ -74,7 +74,8 @@ class Executor:
         return os.path.join(self.logs_dir, f"{job_id}.log")
 
     async def start(
-        self, job_id: int, argv: list[str], cwd: str, env: dict[str, str], who: Identity
+        self, job_id: int, argv: list[str], cwd: str, env: dict[str, str], who: Identity,
+        cgroup: str | None = None, cpuset: tuple[int, ...] = (),
     ) -> Started:
         """Spawn the shim for a job and return the job's pid (or why it could not start)."""
         job_dir = self.job_dir(job_id)
@@ -86,6 +87,7 @@ class Executor:
         launch: dict[str, Any] = {
             "argv": argv, "cwd": cwd, "env": env, "log_path": log_path,
             "uid": who.uid, "gid": who.gid, "groups": list(who.groups), "drop_privileges": who.drop,
+            "cgroup": cgroup, "cpuset": list(cpuset),
         }
         write_atomic(os.path.join(job_dir, LAUNCH), launch)
         shim = await self._spawn_shim(job_dir)

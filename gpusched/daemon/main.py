@@ -21,6 +21,7 @@ import click
 from gpusched import __version__
 from gpusched.config import ConfigError, DaemonConfig, load_config
 from gpusched.core.scheduler import Scheduler
+from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.server import Server, SocketInUse
@@ -62,6 +63,28 @@ def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
     return backend, ("sim" if config.sim else "nvml")
 
 
+def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:
+    """The delegated cgroup subtree to put jobs in, or None and the reason there is none."""
+    if config.cgroup_root == "off":
+        return None, 'disabled by cgroup_root = "off"'
+    root = config.cgroup_root
+    if root == "auto":
+        # Only a systemd service with Delegate=yes owns its subtree; anywhere else (a shell, a test,
+        # a container's root cgroup) writing there would disturb cgroups that are not ours.
+        own = own_cgroup()
+        if own is None or "INVOCATION_ID" not in os.environ:
+            return None, "not running as a systemd service with Delegate=yes"
+        root = os.path.dirname(own) if os.path.basename(own) == "daemon" else own
+        if not root.endswith(".service"):
+            return None, f"own cgroup {own} is not a service's delegated subtree"
+    manager = CgroupManager(root)
+    try:
+        manager.setup(os.getpid())
+    except CgroupError as exc:
+        return None, str(exc)
+    return manager, f"per-job cgroups under {root} ({', '.join(manager.controllers) or 'no controllers'})"
+
+
 async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "") -> Daemon:
     """Boot every part and start serving; raises StartupError with an actionable message."""
     if backend is None:
@@ -74,7 +97,11 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     except (StoreError, OSError) as exc:
         raise StartupError(f"cannot open the state database: {exc}") from None
     executor = Executor(config.state_dir)
-    engine = Engine(config, store, backend, executor, Scheduler())
+    cgroups, cgroup_note = open_cgroups(config)
+    if cgroups is None:
+        log.warning("per-job cgroups off: %s; CPU affinity only, --mem not enforced", cgroup_note)
+    engine = Engine(config, store, backend, executor, Scheduler(), cgroups=cgroups)
+    engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
     server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)
     try:

@@ -58,6 +58,14 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
     stage = "setsid"
     try:
         os.setsid()
+        if launch.get("cgroup"):
+            # Join the job's cgroup before anything of the job runs (and while still root).
+            stage = f"join cgroup {launch['cgroup']}"
+            with open(os.path.join(launch["cgroup"], "cgroup.procs"), "w") as procs:
+                procs.write(str(os.getpid()))
+        elif launch.get("cpuset"):
+            stage = "set CPU affinity"
+            os.sched_setaffinity(0, launch["cpuset"])
         if launch.get("drop_privileges"):
             stage = "setgroups"
             os.setgroups(launch["groups"])
