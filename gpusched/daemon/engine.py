@@ -332,13 +332,16 @@ class Engine:
     def _limits(self, job: Job, allocation: Allocation) -> tuple[str | None, tuple[int, ...]]:
         """The job's cgroup (with memory, CPU and cpuset limits) or, without one, a CPU affinity."""
         gpu_indices = {d.gpu_index for d in allocation.devices}
-        near = tuple(sorted({c for g in self.inventory.gpus if g.index in gpu_indices for c in g.cpu_affinity}))
+        usable = os.sched_getaffinity(0)
+        near = {c for g in self.inventory.gpus if g.index in gpu_indices for c in g.cpu_affinity}
+        # Only CPUs we may use count (a cgroup-restricted daemon, or simulated GPUs whose topology
+        # names CPUs this machine lacks); with none of the near ones usable, use them all.
+        pool = tuple(sorted(near & usable or usable))
         if self.cgroups is not None:
             mem = job.spec.mem_mib * 2**20 if job.spec.mem_mib else None
-            return self.cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=near)), ()
+            return self.cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=pool)), ()
         # No cgroup: pin to CPUs near the GPU, and to at most --cpus of them (memory is not enforced).
-        pool = near or tuple(sorted(os.sched_getaffinity(0)))
-        return None, pool[: job.spec.cpus] if job.spec.cpus else near
+        return None, pool[: job.spec.cpus] if job.spec.cpus else pool
 
     def _identity(self, job: Job) -> Identity:
         if os.geteuid() != 0:

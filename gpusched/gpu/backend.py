@@ -121,6 +121,7 @@ class XidEvent:
     xid: int
     gi_id: int | None = None
     ci_id: int | None = None
+    lost: bool = False  # the GPU stopped answering (reported as XID 79); drain it whole
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,236 @@
+"""MIG profile tables and GPU model facts, as plain data.
+
+Both the simulator (to behave like the driver) and the planner (to know what fits where) read these
+tables, so they live in one pure module with no NVML import. Sources: reference/nvml-mig-mps.md
+§1.1/§1.2 (NVIDIA MIG user guide tables and published `nvidia-smi mig -lgip/-lgipp` transcripts).
+
+Two ID spaces (reference §1.1): `enum` is the pynvml `NVML_GPU_INSTANCE_PROFILE_*` value that
+`nvmlDeviceGetGpuInstanceProfileInfo` takes; `profile_id` is the `-lgip` id (19, 14, 9 ...) that the
+info struct returns in `.id` and that every create/placement call expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MEMORY_SLICES = 8  # every MIG GPU we support has 8 memory slices and 7 compute slices
+COMPUTE_SLICES = 7
+
+# pynvml enum values, duplicated here (not imported) because only nvml.py/simnvml.py may import pynvml.
+_GI_1 = 0x0  # NVML_GPU_INSTANCE_PROFILE_1_SLICE
+_GI_2 = 0x1  # NVML_GPU_INSTANCE_PROFILE_2_SLICE
+_GI_3 = 0x2  # NVML_GPU_INSTANCE_PROFILE_3_SLICE
+_GI_4 = 0x3  # NVML_GPU_INSTANCE_PROFILE_4_SLICE
+_GI_7 = 0x4  # NVML_GPU_INSTANCE_PROFILE_7_SLICE
+_GI_1_REV1 = 0x7  # NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 (+me)
+_GI_1_REV2 = 0x9  # NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 (1 compute slice, double memory)
+
+# Compute-instance profile enums by compute-slice count (NVML_COMPUTE_INSTANCE_PROFILE_*); CI ids are
+# the enum values themselves (reference §1.1).
+CI_ENUM_BY_SLICES: dict[int, int] = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfile:
+    """One GPU-instance profile on one GPU model."""
+
+    name: str  # "3g.40gb"
+    enum: int  # pynvml NVML_GPU_INSTANCE_PROFILE_* (what GetGpuInstanceProfileInfo takes)
+    profile_id: int  # the `-lgip` id, = info.id (what create/placement calls take)
+    slices: int  # compute slices (the "Ng")
+    memory_slices: int  # placement size, in memory slices
+    starts: tuple[int, ...]  # valid placement starts
+    max_instances: int  # instanceCount
+    sm_count: int
+    memory_mib: int  # memorySizeMB as -lgip shows it
+    copy_engines: int
+    decoders: int
+    jpegs: int
+    ofas: int
+
+    @property
+    def ci_enum(self) -> int:
+        """The compute-instance profile enum of the full-size CI for this GI."""
+        return CI_ENUM_BY_SLICES[self.slices]
+
+    @property
+    def placements(self) -> tuple[tuple[int, int], ...]:
+        """All (start, size) placements the driver accepts for this profile."""
+        return tuple((s, self.memory_slices) for s in self.starts)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuModel:
+    """Facts about one GPU model, as the driver reports them."""
+
+    key: str  # our model key, as used in `--sim` and config
+    driver_name: str  # nvmlDeviceGetName
+    memory_mib: int  # nvmlDeviceGetMemoryInfo().total / MiB
+    sm_count: int  # SMs of the whole GPU with MIG off (service accounting denominator)
+    uuid_prefix: str  # simulator UUIDs start "GPU-<prefix>"; hex so UUIDs stay well formed
+    profiles: tuple[MigProfile, ...]
+
+
+def _p(
+    name: str, enum: int, pid: int, slices: int, mem_slices: int, starts: tuple[int, ...],
+    max_inst: int, sms: int, mem_mib: int, engines: tuple[int, int, int, int],
+) -> MigProfile:
+    ce, dec, jpg, ofa = engines
+    return MigProfile(name, enum, pid, slices, mem_slices, starts, max_inst, sms, mem_mib, ce, dec, jpg, ofa)
+
+
+_ALL_1G = (0, 1, 2, 3, 4, 5, 6)
+_EVEN = (0, 2, 4, 6)
+
+# GiB as -lgip prints them, times 1024: 4.75 -> 4864, 9.75 -> 9984, 19.62 -> 20096, 39.50 -> 40448,
+# 79.25 -> 81152. (memorySizeMB varies a little with driver version; reference §1.2.)
+_A100_40 = (
+    _p("1g.5gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 14, 4864, (1, 0, 0, 0)),
+    _p("1g.5gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 14, 4864, (1, 1, 1, 1)),
+    _p("1g.10gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 14, 9984, (1, 1, 0, 0)),
+    _p("2g.10gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 28, 9984, (2, 1, 0, 0)),
+    _p("3g.20gb", _GI_3, 9, 3, 4, (0, 4), 2, 42, 20096, (3, 2, 0, 0)),
+    _p("4g.20gb", _GI_4, 5, 4, 4, (0,), 1, 56, 20096, (4, 2, 0, 0)),
+    _p("7g.40gb", _GI_7, 0, 7, 8, (0,), 1, 98, 40448, (7, 5, 1, 1)),
+)
+# A100-80GB: same GA100 SM counts and engines, memory doubled (names from the MIG guide).
+_A100_80 = (
+    _p("1g.10gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 14, 9984, (1, 0, 0, 0)),
+    _p("1g.10gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 14, 9984, (1, 1, 1, 1)),
+    _p("1g.20gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 14, 20096, (1, 1, 0, 0)),
+    _p("2g.20gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 28, 20096, (2, 1, 0, 0)),
+    _p("3g.40gb", _GI_3, 9, 3, 4, (0, 4), 2, 42, 40448, (3, 2, 0, 0)),
+    _p("4g.40gb", _GI_4, 5, 4, 4, (0,), 1, 56, 40448, (4, 2, 0, 0)),
+    _p("7g.80gb", _GI_7, 0, 7, 8, (0,), 1, 98, 81152, (7, 5, 1, 1)),
+)
+_H100_80 = (
+    _p("1g.10gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 16, 9984, (1, 1, 1, 0)),
+    _p("1g.10gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 16, 9984, (1, 1, 1, 1)),
+    _p("1g.20gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 26, 20096, (1, 1, 1, 0)),
+    _p("2g.20gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 32, 20096, (2, 2, 2, 0)),
+    _p("3g.40gb", _GI_3, 9, 3, 4, (0, 4), 2, 60, 40448, (3, 3, 3, 0)),
+    _p("4g.40gb", _GI_4, 5, 4, 4, (0,), 1, 64, 40448, (4, 4, 4, 0)),
+    _p("7g.80gb", _GI_7, 0, 7, 8, (0,), 1, 132, 81152, (8, 7, 7, 1)),
+)
+# H200: IDs, placements, instance counts and engine counts as H100 (MIG guide table 8).
+# ASSUMED (not published): SM counts copied from H100 (same GH100 die, 132 SMs), and memorySizeMB
+# scaled from H100's per-slice usable fraction to 141 GB (17.25 / 34.75 / 69.75 / 139.75 GiB). These
+# values reproduce the official names via go-nvlib's naming formula (1g.18gb ... 7g.141gb).
+_H200 = (
+    _p("1g.18gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 16, 17664, (1, 1, 1, 0)),
+    _p("1g.18gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 16, 17664, (1, 1, 1, 1)),
+    _p("1g.35gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 26, 35584, (1, 1, 1, 0)),
+    _p("2g.35gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 32, 35584, (2, 2, 2, 0)),
+    _p("3g.71gb", _GI_3, 9, 3, 4, (0, 4), 2, 60, 71424, (3, 3, 3, 0)),
+    _p("4g.71gb", _GI_4, 5, 4, 4, (0,), 1, 64, 71424, (4, 4, 4, 0)),
+    _p("7g.141gb", _GI_7, 0, 7, 8, (0,), 1, 132, 143104, (8, 7, 7, 1)),
+)
+
+MODELS: dict[str, GpuModel] = {
+    m.key: m
+    for m in (
+        # Whole-GPU memory is what nvidia-smi prints as total; A100 has 108 SMs enabled (98 usable in 7g).
+        GpuModel("A100-40GB", "NVIDIA A100-SXM4-40GB", 40960, 108, "a1040000", _A100_40),
+        GpuModel("A100-80GB", "NVIDIA A100-SXM4-80GB", 81920, 108, "a1080000", _A100_80),
+        GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 81559, 132, "e1080000", _H100_80),
+        GpuModel("H200", "NVIDIA H200", 143771, 132, "e2000141", _H200),
+    )
+}
+MODEL_KEYS: tuple[str, ...] = tuple(MODELS)
+
+
+def get_model(model: str) -> GpuModel:
+    """The model record; KeyError-free ValueError that lists valid keys, for config/CLI messages."""
+    try:
+        return MODELS[model]
+    except KeyError:
+        raise ValueError(f"unknown GPU model {model!r}; valid models: {', '.join(MODEL_KEYS)}") from None
+
+
+def profiles_for(model: str) -> tuple[MigProfile, ...]:
+    """All GPU-instance profiles of a model, small to large as the tables list them."""
+    return get_model(model).profiles
+
+
+def profile_by_name(model: str, name: str) -> MigProfile:
+    """Look a profile up by its name (`3g.40gb`); ValueError naming the valid ones otherwise."""
+    for p in profiles_for(model):
+        if p.name == name:
+            return p
+    valid = ", ".join(p.name for p in profiles_for(model))
+    raise ValueError(f"{model} has no MIG profile {name!r}; valid profiles: {valid}")
+
+
+def profile_by_id(model: str, profile_id: int) -> MigProfile | None:
+    """Look a profile up by its `-lgip` id (what GpuInstanceGetInfo reports)."""
+    for p in profiles_for(model):
+        if p.profile_id == profile_id:
+            return p
+    return None
+
+
+def model_from_name(driver_name: str, memory_mib: int | None = None) -> str | None:
+    """Map the driver's device name to our model key, or None for a GPU we have no tables for.
+
+    Names vary by form factor ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB
+    HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA H200 NVL"); `memory_mib` settles names that do
+    not carry the memory size. H100 NVL (94 GB) has other profiles and is deliberately not matched.
+    """
+    n = driver_name.upper().replace("-", " ")
+    if " MIG " in f" {n} ":  # a MIG device name, e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+        n = n.split(" MIG ")[0]
+    if "H200" in n:
+        return "H200"
+    if "H100" in n:
+        if "NVL" in n or "94GB" in n or "96GB" in n:
+            return None
+        if "80GB" in n or "PCIE" in n or "SXM" in n or (memory_mib is not None and 70_000 < memory_mib < 90_000):
+            return "H100-80GB"
+        return None
+    if "A100" in n:
+        if "80GB" in n:
+            return "A100-80GB"
+        if "40GB" in n:
+            return "A100-40GB"
+        if memory_mib is not None:
+            return "A100-80GB" if memory_mib > 60_000 else "A100-40GB"
+    return None
+
+
+def place_layout(model: str, profile_names: Sequence[str]) -> list[tuple[str, int]]:
+    """A valid (profile, start) for every profile of a layout on an empty GPU.
+
+    Tries large profiles first and backtracks over starts, so layouts whose feasibility depends on
+    placement (e.g. 3g + 2g + 2g only fits with the 3g at start 4) are found when they exist. The
+    result keeps the order of `profile_names`. ValueError names the first profile that cannot fit.
+    """
+    profs = [profile_by_name(model, name) for name in profile_names]
+    order = sorted(range(len(profs)), key=lambda i: (-profs[i].memory_slices, -profs[i].slices, i))
+    starts: dict[int, int] = {}
+    deepest = 0  # how far the search got, to name the profile that does not fit
+
+    def search(k: int, used: set[int], counts: dict[int, int]) -> bool:
+        nonlocal deepest
+        deepest = max(deepest, k)
+        if k == len(order):
+            return True
+        p = profs[order[k]]
+        if counts.get(p.profile_id, 0) >= p.max_instances:
+            return False
+        for start in p.starts:
+            cells = set(range(start, start + p.memory_slices))
+            if cells & used:
+                continue
+            starts[order[k]] = start
+            counts[p.profile_id] = counts.get(p.profile_id, 0) + 1
+            if search(k + 1, used | cells, counts):
+                return True
+            counts[p.profile_id] -= 1
+            del starts[order[k]]
+        return False
+
+    if not search(0, set(), {}):
+        bad = profs[order[min(deepest, len(order) - 1)]]
+        raise ValueError(f"MIG layout does not fit on {model}: no room for {bad.name} in {list(profile_names)}")
+    return [(profs[i].name, starts[i]) for i in range(len(profs))]
