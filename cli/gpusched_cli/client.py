@@ -89,7 +89,11 @@ class Client:
                 "the socket should be mode 0666; check the daemon's --socket directory permissions",
             ) from None
         self._sock = sock
-        self.hello = self.call(HelloRequest(version=PROTOCOL_VERSION, client="gpusched-cli"), HelloResult)
+        try:
+            self.hello = self.call(HelloRequest(version=PROTOCOL_VERSION, client="gpusched-cli"), HelloResult)
+        except BaseException:
+            self.close()  # a refused hello (version mismatch, not allowed) must not leak the socket
+            raise
         return self.hello
 
     def close(self) -> None:

@@ -1,0 +1,97 @@
+"""Parsing of what users type: memory sizes and time limits.
+
+Pure functions that raise `ValueError` with a message fit to show after the flag's name, so the
+CLI can say `--gpu-mem: ...` without knowing the grammar. The formats mirror what GPU users already
+type elsewhere: sizes like `nvidia-smi`/Docker (`10G`, `512M`), time limits like Slurm's `--time`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+# All size units are binary: GPU memory is sold and reported in GiB, and `10G` meaning 10 GiB is
+# what users of CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and Docker expect.
+_SIZE_UNITS: dict[str, float] = {
+    "": 1.0,  # a bare number is MiB, the unit NVML and nvidia-smi report
+    "k": 1 / 1024,
+    "m": 1.0,
+    "g": 1024.0,
+    "t": 1024.0 * 1024.0,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?:([kmgt])(?:i?b)?)?\s*$", re.IGNORECASE)
+
+
+def parse_size_mib(text: str) -> int:
+    """`10G`, `512M`, `1024` (MiB), `1.5GiB` -> whole MiB, rounded up so a cap is never below the ask."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"{text!r} is not a size; use a number with an optional unit K, M, G or T "
+            "(binary: 10G = 10 GiB; a bare number is MiB), e.g. 10G, 512M, 1.5GiB"
+        )
+    number, unit = match.groups()
+    mib = float(number) * _SIZE_UNITS[(unit or "").lower()]
+    if not math.isfinite(mib):
+        raise ValueError(f"{text!r} is too large")
+    if mib <= 0:
+        raise ValueError(f"{text!r} must be larger than zero")
+    return math.ceil(mib - 1e-9)
+
+
+_SUFFIX_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$", re.IGNORECASE)
+_SLURM_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_duration_s(text: str) -> int:
+    """A time limit in seconds, in Slurm's `--time` forms or with unit suffixes.
+
+    Slurm forms: `M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S` (`90` is 90 minutes, as in Slurm).
+    Suffix forms: `30s`, `5m`, `2h`, `1d`, and combinations such as `1h30m`.
+    """
+    s = text.strip()
+    suffix = _SUFFIX_RE.match(s)
+    if s and suffix and any(suffix.groups()):
+        d, h, m, sec = (int(g) if g else 0 for g in suffix.groups())
+        total = ((d * 24 + h) * 60 + m) * 60 + sec
+    else:
+        slurm = _SLURM_RE.match(s)
+        if not slurm:
+            raise ValueError(
+                f"{text!r} is not a time limit; use minutes (90), M:S (10:00), H:M:S (1:00:00), "
+                "D-H:M:S (2-00:00:00), or a suffix: 30s, 5m, 2h, 1d, 1h30m"
+            )
+        days_s, first, second, third = slurm.groups()
+        a = int(first)
+        b = int(second) if second is not None else None
+        c = int(third) if third is not None else None
+        if days_s is not None:
+            # With days the first field is hours: D-H, D-H:M, D-H:M:S.
+            total = ((int(days_s) * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+        elif c is not None:
+            total = (a * 60 + (b or 0)) * 60 + c  # H:M:S
+        elif b is not None:
+            total = a * 60 + b  # M:S
+        else:
+            total = a * 60  # M
+    if total <= 0:
+        raise ValueError(f"{text!r} must be longer than zero")
+    return total
+
+
+_AFTER_RE = re.compile(r"^\s*(\d+)\s*(?::\s*(ok|any)\s*)?$", re.IGNORECASE)
+
+
+def parse_dependencies(text: str) -> list[tuple[int, Literal["ok", "any"]]]:
+    """`--after 12`, `12:any`, `12,13:ok` -> [(job_id, "ok"|"any")]; `ok` (ended COMPLETED) by default."""
+    out: list[tuple[int, Literal["ok", "any"]]] = []
+    for part in text.split(","):
+        match = _AFTER_RE.match(part)
+        if not match or int(match.group(1)) < 1:
+            raise ValueError(
+                f"{part.strip()!r} is not a dependency; use a job id, optionally with :ok (it must end "
+                "COMPLETED, the default) or :any (it may end any way), e.g. 12, 12:any, 12,13:any"
+            )
+        out.append((int(match.group(1)), "any" if (match.group(2) or "").lower() == "any" else "ok"))
+    return out
