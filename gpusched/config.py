@@ -6,13 +6,14 @@ message naming the file, the key and the problem (and the line, where TOML itsel
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from gpusched.protocol import ROOT_SOCKET, user_socket
 
@@ -48,6 +49,10 @@ class DaemonConfig(BaseModel):
     tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
+    health_auto_resume_s: float | None = Field(
+        default=None, gt=0, description="resume a device drained by an XID after this many quiet seconds; "
+        "unset: only `gpusched gpus resume` brings it back"
+    )
     cgroup_root: str = Field(
         default="auto",
         description="delegated cgroup v2 directory for per-job cgroups; \"auto\" uses the service's own cgroup "
@@ -59,6 +64,14 @@ class DaemonConfig(BaseModel):
     job_mapping_dir: str | None = Field(
         default=None, description="write dcgm-exporter HPC job-mapping files here (its --hpc-job-mapping-dir)"
     )
+    # metrics_allow_remote comes before metrics_address so the address validator can see it.
+    metrics_allow_remote: bool = Field(
+        default=False, description="allow metrics_address to listen on a non-loopback address (no authentication!)"
+    )
+    metrics_address: str | None = Field(
+        default=None,
+        description="serve Prometheus metrics over HTTP at HOST:PORT, e.g. \"127.0.0.1:9490\"; unset = off",
+    )
 
     @field_validator("gpus")
     @classmethod
@@ -68,6 +81,19 @@ class DaemonConfig(BaseModel):
                 raise ValueError(f"GPU keys must be GPU indices like \"0\", not {key!r}")
         return value
 
+    @field_validator("metrics_address")
+    @classmethod
+    def _metrics_address(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        host, _ = split_host_port(value)
+        if not info.data.get("metrics_allow_remote", False) and not is_loopback(host):
+            raise ValueError(
+                f"{host!r} is not a loopback address; metrics have no authentication, so serve them on "
+                "127.0.0.1 or ::1, or set metrics_allow_remote = true"
+            )
+        return value
+
     @property
     def db_path(self) -> str:
         return os.path.join(self.state_dir, "gpusched.db")
@@ -75,6 +101,30 @@ class DaemonConfig(BaseModel):
     @property
     def jobs_dir(self) -> str:
         return os.path.join(self.state_dir, "jobs")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`127.0.0.1:9490`, `[::1]:9490` or `localhost:9490` -> (host, port); ValueError if malformed."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT (e.g. \"127.0.0.1:9490\" or \"[::1]:9490\")")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{address!r}: write an IPv6 address in brackets, e.g. \"[::1]:9490\"")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"{address!r}: port {port} is out of range (0-65535; 0 picks a free port)")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to anything
 
 
 def default_paths(uid: int, env: Mapping[str, str]) -> dict[str, str]:

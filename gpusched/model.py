@@ -202,3 +202,14 @@ def describe_request(request: WholeRequest | MigRequest | ShareRequest) -> str:
     if isinstance(request, MigRequest):
         return f"mig={request.profile}"
     return f"share={request.fraction:g},mem={request.gpu_mem_mib}MiB"
+
+
+class Event(_Frozen):
+    """Something that happened to a device or job: an XID, a drain, a MIG change."""
+
+    at: float
+    kind: str  # xid_app_error | gpu_fault | gpu_lost | drain | resume | mig_create | mig_destroy
+    message: str
+    gpu: int | None = None
+    device: str | None = None
+    job_id: int | None = None

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from gpusched.model import Job, JobSpec, JobState
+from gpusched.model import Event, Job, JobSpec, JobState
 
 PROTOCOL_VERSION = "1.0"
 MAX_FRAME = 1 << 20  # 1 MiB
@@ -122,6 +122,41 @@ class ReleaseRequest(_Req):
     job_ids: list[int] = Field(min_length=1, max_length=10_000)
 
 
+class GpuDrainRequest(_Req):
+    """Admin: take a GPU (by index or UUID) or MIG instance out of service; running jobs continue."""
+
+    op: Literal["gpu_drain"] = "gpu_drain"
+    device: str = Field(min_length=1, max_length=128)
+    reason: str = Field(default="", max_length=256)
+
+
+class GpuResumeRequest(_Req):
+    """Admin: put a drained GPU or MIG instance back in service."""
+
+    op: Literal["gpu_resume"] = "gpu_resume"
+    device: str = Field(min_length=1, max_length=128)
+
+
+class MigApplyRequest(_Req):
+    """Admin: make a GPU hold exactly `layout` (profile names), changing only what differs."""
+
+    op: Literal["mig_apply"] = "mig_apply"
+    gpu: int = Field(ge=0)
+    layout: list[str] = Field(max_length=8)
+    dry_run: bool = False
+
+
+class SimInjectXidRequest(_Req):
+    """Admin, simulated GPUs only: deliver an XID (or a lost GPU) as the driver would."""
+
+    op: Literal["sim_inject_xid"] = "sim_inject_xid"
+    gpu: int = Field(ge=0)
+    xid: int = Field(ge=1, le=1000)
+    gi: int | None = Field(default=None, ge=0)
+    ci: int | None = Field(default=None, ge=0)
+    lost: bool = Field(default=False, description="the GPU falls off the bus instead")
+
+
 class GpusRequest(_Req):
     op: Literal["gpus"] = "gpus"
 
@@ -142,6 +177,10 @@ Request = Annotated[
     | ResumeRequest
     | HoldRequest
     | ReleaseRequest
+    | GpuDrainRequest
+    | GpuResumeRequest
+    | MigApplyRequest
+    | SimInjectXidRequest
     | GpusRequest
     | ShutdownRequest,
     Field(discriminator="op"),
@@ -195,6 +234,7 @@ class ShowResult(_Res):
     job: Job
     waiting_reason: str | None = None
     log_path: str | None = None
+    events: list[Event] = Field(default_factory=list, description="device events attributed to this job")
 
 
 class CancelResult(_Res):
@@ -254,6 +294,31 @@ class GpusResult(_Res):
     gpus: list[GpuInfo]
 
 
+class DevicesChanged(_Res):
+    """Result of gpu_drain / gpu_resume: the device UUIDs whose state changed."""
+
+    devices: list[str]
+    message: str
+
+
+class PlannedInstance(_Res):
+    profile: str
+    start: int
+
+
+class MigApplyResult(_Res):
+    gpu: int
+    keep: list[str]
+    destroy: list[str]
+    create: list[PlannedInstance]
+    applied: bool
+    log: list[str] = Field(default_factory=list)
+
+
+class SimResult(_Res):
+    message: str
+
+
 class ShutdownResult(_Res):
     stopping: bool
 
@@ -281,6 +346,10 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "resume": JobsChanged,
     "hold": JobsChanged,
     "release": JobsChanged,
+    "gpu_drain": DevicesChanged,
+    "gpu_resume": DevicesChanged,
+    "mig_apply": MigApplyResult,
+    "sim_inject_xid": SimResult,
     "gpus": GpusResult,
     "shutdown": ShutdownResult,
 }

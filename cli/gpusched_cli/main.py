@@ -34,13 +34,18 @@ from gpusched.protocol import (
     PROTOCOL_VERSION,
     CancelRequest,
     CancelResult,
+    DevicesChanged,
     ErrorCode,
+    GpuDrainRequest,
+    GpuResumeRequest,
     GpusRequest,
     GpusResult,
     HoldRequest,
     JobsChanged,
     LogsRequest,
     LogsResult,
+    MigApplyRequest,
+    MigApplyResult,
     ProtocolError,
     QueueRequest,
     QueueResult,
@@ -50,6 +55,8 @@ from gpusched.protocol import (
     ShowResult,
     ShutdownRequest,
     ShutdownResult,
+    SimInjectXidRequest,
+    SimResult,
     SubmitRequest,
     SubmitResult,
     SuspendRequest,
@@ -507,17 +514,98 @@ def release(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
     _job_control(ctx, ReleaseRequest(job_ids=list(job_ids)), "Released")
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="print the daemon's GpusResult (see docs/cli.md)")
 @click.pass_context
 def gpus(ctx: click.Context, as_json: bool) -> None:
-    """The node's GPUs: memory, MIG mode and instances, health, and whose jobs run where."""
+    """The node's GPUs: memory, MIG mode and instances, health, and whose jobs run where.
+
+    With a subcommand, an administrator drains a device or resumes it.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     with _client(ctx) as client:
         result = client.call(GpusRequest(), GpusResult)
     if as_json:
         _print_json(result)
     else:
         click.echo(render.gpus_text(result))
+
+
+@gpus.command("drain")
+@click.argument("device", metavar="DEVICE")
+@click.option("--reason", default="", help="why, shown in `gpusched gpus`")
+@click.pass_context
+def gpus_drain(ctx: click.Context, device: str, reason: str) -> None:
+    """Admin: no new job starts on DEVICE (GPU index, GPU- or MIG- UUID); running jobs continue."""
+    with _client(ctx) as client:
+        result = client.call(GpuDrainRequest(device=device, reason=reason), DevicesChanged)
+    click.echo(result.message)
+    for uuid in result.devices:
+        click.echo(f"  {uuid}")
+
+
+@gpus.command("resume")
+@click.argument("device", metavar="DEVICE")
+@click.pass_context
+def gpus_resume(ctx: click.Context, device: str) -> None:
+    """Admin: put a drained DEVICE (GPU index, GPU- or MIG- UUID) back in service."""
+    with _client(ctx) as client:
+        result = client.call(GpuResumeRequest(device=device), DevicesChanged)
+    click.echo(result.message)
+    for uuid in result.devices:
+        click.echo(f"  {uuid}")
+
+
+@cli.group()
+def mig() -> None:
+    """MIG layouts (admin)."""
+
+
+@mig.command("apply")
+@click.argument("gpu", type=click.IntRange(min=0), metavar="GPU")
+@click.argument("layout", metavar="LAYOUT")
+@click.option("--dry-run", is_flag=True, help="show what would change, change nothing")
+@click.option("--json", "as_json", is_flag=True, help="print the daemon's MigApplyResult")
+@click.pass_context
+def mig_apply(ctx: click.Context, gpu: int, layout: str, dry_run: bool, as_json: bool) -> None:
+    """Make GPU hold exactly LAYOUT, e.g. `3g.40gb,2g.20gb,2g.20gb` (or `none`).
+
+    Instances that already match are kept; only idle ones are destroyed; if a busy instance would
+    have to go, nothing changes and the job holding it is named.
+    """
+    profiles = [] if layout.strip().lower() == "none" else [p.strip() for p in layout.split(",") if p.strip()]
+    with _client(ctx) as client:
+        result = client.call(MigApplyRequest(gpu=gpu, layout=profiles, dry_run=dry_run), MigApplyResult)
+    if as_json:
+        _print_json(result)
+        return
+    verb = "would" if dry_run else "did"
+    click.echo(f"GPU {gpu}: keep {len(result.keep)}, destroy {len(result.destroy)}, create {len(result.create)}"
+               f" ({'dry run' if dry_run else 'applied'})")
+    for uuid in result.destroy:
+        click.echo(f"  {verb} destroy {uuid}")
+    for planned in result.create:
+        click.echo(f"  {verb} create {planned.profile} at memory slice {planned.start}")
+
+
+@cli.group()
+def sim() -> None:
+    """Simulated GPUs only (gpuschedd --sim): fault injection for trying out and testing."""
+
+
+@sim.command("inject-xid")
+@click.argument("gpu", type=click.IntRange(min=0), metavar="GPU")
+@click.argument("xid", type=click.IntRange(1, 1000), metavar="XID")
+@click.option("--gi", type=click.IntRange(min=0), help="scope to this MIG GPU instance id")
+@click.option("--ci", type=click.IntRange(min=0), help="scope to this MIG compute instance id")
+@click.option("--lost", is_flag=True, help="make the GPU fall off the bus instead")
+@click.pass_context
+def sim_inject_xid(ctx: click.Context, gpu: int, xid: int, gi: int | None, ci: int | None, lost: bool) -> None:
+    """Admin: deliver XID on simulated GPU as the driver would (13, 31, 43, 45, 68, 109 are app errors)."""
+    with _client(ctx) as client:
+        result = client.call(SimInjectXidRequest(gpu=gpu, xid=xid, gi=gi, ci=ci, lost=lost), SimResult)
+    click.echo(result.message)
 
 
 @cli.command()

@@ -187,6 +187,10 @@ def show_text(result: ShowResult, now: float, tz: tzinfo | None = None) -> str:
         lines.append("History:")
         rows = [(format_time(t.at, tz), t.state.value, t.reason or "-") for t in job.history]
         lines += ["  " + line for line in table(("TIME", "STATE", "REASON"), rows).splitlines()]
+    if result.events:
+        lines.append("Device events:")
+        rows = [(format_time(e.at, tz), e.kind, e.message) for e in result.events]
+        lines += ["  " + line for line in table(("TIME", "KIND", "MESSAGE"), rows).splitlines()]
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusched.config import DaemonConfig
+from gpusched.core.migplan import LayoutChange
 from gpusched.core.scheduler import (
     Action,
     CreateInstance,
@@ -32,11 +33,23 @@ from gpusched.core.scheduler import (
     unsatisfiable_reason,
 )
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, JobLimits
+from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import Executor, ExitStatus, Identity
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
+from gpusched.daemon.metrics import Metrics, pending_since
 from gpusched.daemon.store import Store
-from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
-from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Allocation, Dependency, Job, JobSpec, JobState
+from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
+from gpusched.gpu.health import HealthAction
+from gpusched.model import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    Allocation,
+    Dependency,
+    Event,
+    Job,
+    JobSpec,
+    JobState,
+)
 from gpusched.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("gpusched.engine")
@@ -71,6 +84,8 @@ class Engine:
         self.clock = clock
         self.cgroups = cgroups
         self.cgroup_note = ""  # what `doctor` says about per-job cgroups
+        self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/metrics.py)
+        self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
         self.jobs: dict[int, Job] = {}
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
@@ -88,6 +103,7 @@ class Engine:
     async def start(self) -> None:
         """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
         await self.refresh_inventory()
+        await self._apply_static_layouts()
         for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
             self.jobs[job.id] = job
         stops = self.store.get_meta("stop_requests")
@@ -95,10 +111,12 @@ class Engine:
             self._stops[int(key)] = StopRequest(JobState(final), reason)
         await self._recover()
         self._write_job_mapping()
+        self.devices.start_watching(self._on_gpu_event)
         self._loop_task = asyncio.create_task(self._run(), name="gpusched-engine")
 
     async def stop(self) -> None:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
+        await asyncio.to_thread(self.devices.stop_watching)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -128,6 +146,8 @@ class Engine:
                 if ticked:
                     await self.refresh_inventory()
                     self._poll_adopted()
+                    for device in self.devices.tick(self.clock()):
+                        log.info("device %s back in service after its quiet period", device)
                 self._enforce_time_limits()
                 await self._pass()
             except Exception:  # the loop must survive a bad pass; the next event retries
@@ -208,6 +228,81 @@ class Engine:
         self.wake()
         return None
 
+    # ---- devices -------------------------------------------------------------------------------
+
+    def _on_gpu_event(self, event: XidEvent) -> None:
+        """An XID (or a lost GPU) from the driver: apply the policy to the jobs on those devices."""
+        now = self.clock()
+        decision = self.devices.on_event(event, self.inventory, now)
+        hit = set(decision.devices)
+        for job in list(self.jobs.values()):
+            if job.state not in ACTIVE_STATES or job.allocation is None or not hit & set(job.allocation.uuids):
+                continue
+            self.store.add_event(Event(at=now, kind=decision.action.value, message=decision.reason,
+                                       gpu=event.gpu_index, job_id=job.id))
+            if decision.action is HealthAction.DRAIN:
+                final = JobState.PREEMPTED if job.spec.requeue else JobState.FAILED
+                self._request_stop(job, StopRequest(final, decision.reason))
+        if event.lost:
+            self._spawn(self.refresh_inventory())
+        self.wake()
+
+    def drain(self, device: str, reason: str) -> list[str]:
+        return self.devices.drain(device, reason, self.inventory, self.clock())
+
+    def resume_device(self, device: str, who: str) -> list[str]:
+        resumed = self.devices.resume(device, self.inventory, self.clock(), who)
+        self.wake()
+        return resumed
+
+    def busy_devices(self) -> dict[str, int]:
+        """Device UUID -> the job holding it."""
+        return {uuid: j.id for j in self.jobs.values() if j.state in ACTIVE_STATES and j.allocation
+                for uuid in j.allocation.uuids}
+
+    async def apply_mig_layout(
+        self, gpu_index: int, layout: list[str], dry_run: bool
+    ) -> tuple[LayoutChange, list[str]]:
+        """Plan (and unless `dry_run`, carry out) a declarative MIG layout for one GPU."""
+        gpu = next((g for g in self.inventory.gpus if g.index == gpu_index), None)
+        if gpu is None:
+            raise DeviceError(f"no GPU {gpu_index}")
+        if not gpu.mig_enabled:
+            raise DeviceError(f"GPU {gpu_index} is not in MIG mode; an administrator enables it with "
+                              f"`nvidia-smi -i {gpu_index} -mig 1` while the GPU is idle")
+        change = await asyncio.to_thread(self.devices.plan_layout, gpu, layout, self.busy_devices())
+        if change.error is not None or dry_run:
+            return change, []
+        try:
+            done = await asyncio.to_thread(self.devices.apply_layout, gpu, change, self.clock())
+        finally:
+            await self.refresh_inventory()
+            self.wake()
+        return change, done
+
+    async def _apply_static_layouts(self) -> None:
+        """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed)."""
+        for key, gpu_config in sorted(self.config.gpus.items()):
+            if gpu_config.mig is None:
+                continue
+            index = int(key)
+            gpu = next((g for g in self.inventory.gpus if g.index == index), None)
+            if gpu is None:
+                log.error("config gpus.%s: there is no GPU %s", key, key)
+                continue
+            if not gpu.mig_enabled and simulator_of(self.backend) is not None:
+                await asyncio.to_thread(self.backend.set_mig_mode, index, True)  # a simulated GPU starts as told
+                await self.refresh_inventory()
+            try:
+                change, done = await self.apply_mig_layout(index, gpu_config.mig, dry_run=False)
+            except (DeviceError, GpuError) as exc:
+                log.error("config gpus.%s.mig: %s", key, getattr(exc, "message", str(exc)))
+                continue
+            if change.error is not None:
+                log.error("config gpus.%s.mig: %s", key, change.error)
+            for line in done:
+                log.info("GPU %d: %s", index, line)
+
     def get(self, job_id: int) -> Job | None:
         return self.jobs.get(job_id) or self.store.get(job_id)
 
@@ -242,7 +337,7 @@ class Engine:
             gpus=self.inventory.gpus,
             pending=tuple(j for j in jobs if j.state is JobState.PENDING and self._ready(j)),
             active=tuple(j for j in jobs if j.state in ACTIVE_STATES),
-            unschedulable=frozenset(g.uuid for g in self.inventory.gpus if g.index in self.inventory.errors),
+            unschedulable=self.devices.unschedulable(self.inventory),
         )
 
     def _dependency_status(self, dep: Dependency) -> bool | None:
@@ -275,10 +370,12 @@ class Engine:
 
     async def _pass(self) -> None:
         self.passes += 1
+        began = time.perf_counter()
         self._fail_broken_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
         for action in actions:
             await self._apply(action)
+        self.metrics.observe_pass(time.perf_counter() - began)
 
     async def _apply(self, action: Action) -> None:
         if isinstance(action, StartJob):
@@ -309,13 +406,15 @@ class Engine:
         if job is None or job.state is not JobState.PENDING:
             return
         now = self.clock()
-        job = self._set(job, JobState.STARTING, action.reason, allocation=action.allocation, started_at=now)
+        self.metrics.observe_wait(now - pending_since(job))
+        added = self._allocation_env(job, action.allocation)
+        allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
+        job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
         try:
             who = self._identity(job)
-            cgroup, cpuset = self._limits(job, action.allocation)
-            started = await self.executor.start(
-                job.id, job.spec.argv, job.spec.cwd, self._job_env(job, action.allocation), who, cgroup, cpuset
-            )
+            cgroup, cpuset = self._limits(job, allocation)
+            env = _login_defaults(job) | dict(job.spec.env) | added  # `--export NONE` still gets a login env
+            started = await self.executor.start(job.id, job.spec.argv, job.spec.cwd, env, who, cgroup, cpuset)
         except (OSError, KeyError, CgroupError) as exc:
             self._set(job, JobState.FAILED, f"could not launch: {exc}", ended_at=self.clock())
             return
@@ -353,9 +452,9 @@ class Engine:
             groups = (job.gid,)  # a uid with no passwd entry still runs, with its primary group
         return Identity(job.uid, job.gid, groups, drop=True)
 
-    def _job_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
-        env = _login_defaults(job) | dict(job.spec.env)  # `--export NONE` still gets a sane login env
-        env.update(allocation.env)
+    def _allocation_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
+        """What gpusched adds to the job's environment for this allocation."""
+        env = dict(allocation.env)
         if self.config.cuda_device_max_connections is not None:
             env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(self.config.cuda_device_max_connections)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)

@@ -13,14 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusched import __version__
+from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.engine import Engine
+from gpusched.gpu.backend import GpuError
 from gpusched.model import TERMINAL_STATES, Job, describe_request
 from gpusched.protocol import (
     PROTOCOL_VERSION,
     CancelRequest,
     CancelResult,
+    DevicesChanged,
     ErrorCode,
+    GpuDrainRequest,
     GpuInfo,
+    GpuResumeRequest,
     GpusRequest,
     GpusResult,
     HelloRequest,
@@ -31,6 +36,9 @@ from gpusched.protocol import (
     JobSummary,
     LogsRequest,
     LogsResult,
+    MigApplyRequest,
+    MigApplyResult,
+    PlannedInstance,
     ProtocolError,
     QueueRequest,
     QueueResult,
@@ -40,6 +48,8 @@ from gpusched.protocol import (
     ShowResult,
     ShutdownRequest,
     ShutdownResult,
+    SimInjectXidRequest,
+    SimResult,
     SubmitRequest,
     SubmitResult,
     SuspendRequest,
@@ -94,7 +104,7 @@ def show(ctx: Context, req: ShowRequest) -> ShowResult:
     job = _find(ctx, req.job_id)
     return ShowResult(
         job=_redact(ctx, job), waiting_reason=ctx.engine.waiting_reason(job),
-        log_path=ctx.engine.executor.log_path(job.id),
+        log_path=ctx.engine.executor.log_path(job.id), events=ctx.engine.store.events(job_id=job.id),
     )
 
 
@@ -177,6 +187,59 @@ def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str],
     return JobsChanged(changed=changed, unchanged=unchanged)
 
 
+def gpu_drain(ctx: Context, req: GpuDrainRequest) -> DevicesChanged:
+    _require_admin(ctx, "drain devices")
+    reason = f"drained by {ctx.user}" + (f": {req.reason}" if req.reason else "")
+    try:
+        drained = ctx.engine.drain(req.device, reason)
+    except DeviceError as exc:
+        raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+    message = f"{len(drained)} device(s) drained; running jobs continue, no new job starts there"
+    return DevicesChanged(devices=drained, message=message if drained else "already drained")
+
+
+def gpu_resume(ctx: Context, req: GpuResumeRequest) -> DevicesChanged:
+    _require_admin(ctx, "resume devices")
+    try:
+        resumed = ctx.engine.resume_device(req.device, ctx.user)
+    except DeviceError as exc:
+        raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+    return DevicesChanged(devices=resumed, message=f"{len(resumed)} device(s) back in service" if resumed
+                          else "not drained")
+
+
+async def mig_apply(ctx: Context, req: MigApplyRequest) -> MigApplyResult:
+    _require_admin(ctx, "change MIG layouts")
+    try:
+        change, done = await ctx.engine.apply_mig_layout(req.gpu, req.layout, req.dry_run)
+    except DeviceError as exc:
+        raise ProtocolError(ErrorCode.INVALID_STATE, str(exc)) from None
+    except GpuError as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"GPU {req.gpu}: {exc.message}", exc.hint) from None
+    if change.error is not None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, change.error, "nothing was changed")
+    return MigApplyResult(
+        gpu=req.gpu, keep=list(change.keep), destroy=list(change.destroy),
+        create=[PlannedInstance(profile=p, start=st) for p, st in change.create], applied=not req.dry_run, log=done,
+    )
+
+
+def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
+    _require_admin(ctx, "inject faults")
+    sim = simulator_of(ctx.engine.backend)
+    if sim is None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, "this daemon drives real GPUs; faults can only be "
+                            "injected into simulated ones (gpuschedd --sim)")
+    if req.gpu >= len(ctx.engine.inventory.gpus):
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no GPU {req.gpu}")
+    if req.lost:
+        sim.lose_gpu(req.gpu)
+        return SimResult(message=f"GPU {req.gpu} fell off the bus")
+    sim.inject_xid(req.gpu, req.xid, req.gi, req.ci)
+    scope = f" (GI {req.gi}" + (f", CI {req.ci}" if req.ci is not None else "") + ")" if req.gi is not None else ""
+    return SimResult(message=f"XID {req.xid} injected on GPU {req.gpu}{scope}")
+
+
 def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
     inventory = ctx.engine.inventory
     holders: dict[str, list[Job]] = {}
@@ -185,12 +248,14 @@ def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
             for uuid in job.allocation.uuids:
                 holders.setdefault(uuid, []).append(job)
     out = []
+    devices = ctx.engine.devices
     for gpu in inventory.gpus:
-        health = "error: " + inventory.errors[gpu.index] if gpu.index in inventory.errors else "ok"
+        health = _health(gpu.uuid, devices.drain_reason(gpu.uuid), inventory.errors.get(gpu.index))
         instances = [
             InstanceInfo(
                 uuid=i.uuid, profile=i.profile, start=i.start, size=i.size, memory_mib=i.memory_mib,
-                sm_count=i.sm_count, health=health, jobs=[j.id for j in holders.get(i.uuid, [])],
+                sm_count=i.sm_count, health=_health(i.uuid, devices.drain_reason(i.uuid), None) if health == "ok"
+                else health, jobs=[j.id for j in holders.get(i.uuid, [])],
                 users=sorted({j.user for j in holders.get(i.uuid, [])}),
             )
             for i in sorted(gpu.instances, key=lambda i: i.start)
@@ -217,6 +282,7 @@ Handler = Callable[[Context, Any], Any | Awaitable[Any]]
 HANDLERS: dict[str, Handler] = {
     "hello": hello, "submit": submit, "queue": queue, "show": show, "cancel": cancel,
     "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
+    "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
     "gpus": gpus, "shutdown": shutdown,
 }
 
@@ -231,6 +297,18 @@ def summarize(job: Job) -> JobSummary:
         ended_at=job.ended_at, exit_code=job.exit_code,
         devices=job.allocation.uuids if job.allocation is not None else [], reason=job.reason,
     )
+
+
+def _health(uuid: str, drained: str | None, error: str | None) -> str:
+    if error is not None:
+        return f"error: {error}"
+    return f"drained: {drained}" if drained is not None else "ok"
+
+
+def _require_admin(ctx: Context, what: str) -> None:
+    if not ctx.admin:
+        raise ProtocolError(ErrorCode.PERMISSION_DENIED, f"only an administrator may {what}",
+                            "run it as root or as a member of the configured admin_group")
 
 
 def _find(ctx: Context, job_id: int) -> Job:

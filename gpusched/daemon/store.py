@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpusched.model import TRANSITIONS, Allocation, Job, JobSpec, JobState, Transition
+from gpusched.model import TRANSITIONS, Allocation, Event, Job, JobSpec, JobState, Transition
 
 SCHEMA_VERSION = 1
 
@@ -45,6 +45,16 @@ CREATE TABLE IF NOT EXISTS transitions (
     reason TEXT NOT NULL,
     PRIMARY KEY (job_id, seq)
 );
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    gpu INTEGER,
+    device TEXT,
+    job_id INTEGER
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
 """
 
 _UPDATABLE = frozenset({"started_at", "ended_at", "exit_code", "signal", "allocation", "pid"})
@@ -187,6 +197,24 @@ class Store:
             ):
                 out.setdefault(job_id, []).append(Transition(state=JobState(state), at=at, reason=reason))
         return out
+
+    # ---- device and job events -------------------------------------------------------------------
+
+    def add_event(self, event: Event) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO events (at, kind, message, gpu, device, job_id) VALUES (?, ?, ?, ?, ?, ?)",
+                (event.at, event.kind, event.message, event.gpu, event.device, event.job_id),
+            )
+
+    def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
+        """The newest `limit` events (of one job, if given), oldest first."""
+        where, args = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
+        rows = self._db.execute(
+            f"SELECT at, kind, message, gpu, device, job_id FROM events {where} ORDER BY id DESC LIMIT ?",
+            (*args, limit),
+        ).fetchall()
+        return [Event(at=r[0], kind=r[1], message=r[2], gpu=r[3], device=r[4], job_id=r[5]) for r in reversed(rows)]
 
     # ---- metadata (scheduler standing, schema version) --------------------------------------------
 

@@ -72,6 +72,11 @@ class NvmlBackend:
         if init:
             self._call("nvmlInit")
 
+    @property
+    def module(self) -> Any:
+        """The nvml module this backend drives (a SimNVML in simulation; for its test hooks)."""
+        return self._nvml
+
     # ------------------------------------------------------------------ the one wrapper
 
     def _call(self, fn: str, *args: Any, what: str = "") -> Any:
