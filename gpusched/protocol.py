@@ -157,6 +157,12 @@ class SimInjectXidRequest(_Req):
     lost: bool = Field(default=False, description="the GPU falls off the bus instead")
 
 
+class DoctorRequest(_Req):
+    """Run the daemon's health checks (driver, MIG, foreign processes, cgroups, permissions)."""
+
+    op: Literal["doctor"] = "doctor"
+
+
 class GpusRequest(_Req):
     op: Literal["gpus"] = "gpus"
 
@@ -181,6 +187,7 @@ Request = Annotated[
     | GpuResumeRequest
     | MigApplyRequest
     | SimInjectXidRequest
+    | DoctorRequest
     | GpusRequest
     | ShutdownRequest,
     Field(discriminator="op"),
@@ -319,6 +326,17 @@ class SimResult(_Res):
     message: str
 
 
+class DoctorCheck(_Res):
+    name: str
+    status: Literal["PASS", "WARN", "FAIL"]
+    detail: str
+    hint: str = ""
+
+
+class DoctorResult(_Res):
+    checks: list[DoctorCheck]
+
+
 class ShutdownResult(_Res):
     stopping: bool
 
@@ -350,6 +368,7 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "gpu_resume": DevicesChanged,
     "mig_apply": MigApplyResult,
     "sim_inject_xid": SimResult,
+    "doctor": DoctorResult,
     "gpus": GpusResult,
     "shutdown": ShutdownResult,
 }

@@ -18,6 +18,7 @@ from gpusched.protocol import (
     REQUEST_ADAPTER,
     RESULT_TYPES,
     CancelRequest,
+    DoctorRequest,
     ErrorCode,
     GpuDrainRequest,
     GpuResumeRequest,
@@ -134,6 +135,7 @@ EVERY_REQUEST: list[BaseModel] = [
     GpuResumeRequest(device="MIG-1d2c3b4a-5e6f-4a7b-8c9d-0e1f2a3b4c5d"),
     MigApplyRequest(gpu=1, layout=["3g.40gb", "2g.20gb"], dry_run=True),
     SimInjectXidRequest(gpu=0, xid=94, gi=1, ci=0),
+    DoctorRequest(),
     GpusRequest(),
     ShutdownRequest(),
 ]

@@ -35,6 +35,8 @@ from gpusched.protocol import (
     CancelRequest,
     CancelResult,
     DevicesChanged,
+    DoctorRequest,
+    DoctorResult,
     ErrorCode,
     GpuDrainRequest,
     GpuResumeRequest,
@@ -606,6 +608,24 @@ def sim_inject_xid(ctx: click.Context, gpu: int, xid: int, gi: int | None, ci: i
     with _client(ctx) as client:
         result = client.call(SimInjectXidRequest(gpu=gpu, xid=xid, gi=gi, ci=ci, lost=lost), SimResult)
     click.echo(result.message)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help='print {"checks": [{name, status, detail, hint}]}')
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check the node as an admin would: driver, MIG modes, foreign CUDA processes, cgroups, permissions.
+
+    Exits 1 when any check FAILs (WARNs alone exit 0).
+    """
+    with _client(ctx) as client:
+        result = client.call(DoctorRequest(), DoctorResult)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(render.doctor_text(result))
+    if any(c.status == "FAIL" for c in result.checks):
+        ctx.exit(EXIT_ERROR)
 
 
 @cli.command()

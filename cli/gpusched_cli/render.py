@@ -14,7 +14,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, tzinfo
 
 from gpusched.model import TERMINAL_STATES, WAITING_STATES, Job, JobState, describe_request
-from gpusched.protocol import CancelResult, GpuInfo, GpusResult, JobsChanged, JobSummary, ShowResult
+from gpusched.protocol import (
+    CancelResult,
+    DoctorResult,
+    GpuInfo,
+    GpusResult,
+    JobsChanged,
+    JobSummary,
+    ShowResult,
+)
 
 _UNITS = ("MiB", "GiB", "TiB", "PiB")
 
@@ -283,3 +291,16 @@ def final_state_text(job: Job) -> str:
     if job.reason and (job.state not in (JobState.COMPLETED, JobState.FAILED) or detail == "-"):
         text += f": {job.reason}"
     return text
+
+
+def doctor_text(result: DoctorResult) -> str:
+    """`gpusched doctor`: one line per check, with the fix hint under anything not PASS."""
+    lines = []
+    width = max((len(c.name) for c in result.checks), default=0)
+    for check in result.checks:
+        lines.append(f"{check.status:<4}  {check.name.ljust(width)}  {check.detail}")
+        if check.hint and check.status != "PASS":
+            lines.append(f"      {' ' * width}  fix: {check.hint}")
+    counts = {s: sum(1 for c in result.checks if c.status == s) for s in ("PASS", "WARN", "FAIL")}
+    lines.append(f"{counts['PASS']} passed, {counts['WARN']} warnings, {counts['FAIL']} failed")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpusched import __version__
 from gpusched.daemon.devices import DeviceError, simulator_of
+from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
 from gpusched.gpu.backend import GpuError
 from gpusched.model import TERMINAL_STATES, Job, describe_request
@@ -22,6 +23,8 @@ from gpusched.protocol import (
     CancelRequest,
     CancelResult,
     DevicesChanged,
+    DoctorRequest,
+    DoctorResult,
     ErrorCode,
     GpuDrainRequest,
     GpuInfo,
@@ -76,6 +79,7 @@ class Context:
     admin: bool
     backend_name: str
     request_shutdown: Callable[[], None]
+    socket_path: str = ""
 
 
 def hello(ctx: Context, req: HelloRequest) -> HelloResult:
@@ -240,6 +244,14 @@ def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     return SimResult(message=f"XID {req.xid} injected on GPU {req.gpu}{scope}")
 
 
+async def doctor(ctx: Context, req: DoctorRequest) -> DoctorResult:
+    checks = await asyncio.to_thread(run_checks, ctx.engine, ctx.socket_path)
+    if not ctx.admin:  # other users' pids and command lines are theirs
+        checks = [c.model_copy(update={"detail": "CUDA processes not started by gpusched are present"})
+                  if c.name == "processes" and c.status != "PASS" else c for c in checks]
+    return DoctorResult(checks=checks)
+
+
 def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
     inventory = ctx.engine.inventory
     holders: dict[str, list[Job]] = {}
@@ -283,6 +295,7 @@ HANDLERS: dict[str, Handler] = {
     "hello": hello, "submit": submit, "queue": queue, "show": show, "cancel": cancel,
     "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
     "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
+    "doctor": doctor,
     "gpus": gpus, "shutdown": shutdown,
 }
 

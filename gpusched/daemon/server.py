@@ -127,7 +127,7 @@ class Server:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
         user = self.engine.user_name(peer.uid)
         ctx = Context(self.engine, peer, user, self.engine.is_admin(peer.uid), self.backend_name,
-                      self.request_shutdown)
+                      self.request_shutdown, self.path)
         greeted = False
         while not self._closing:
             try:

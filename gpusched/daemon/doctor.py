@@ -1,0 +1,151 @@
+"""`gpusched doctor`: the checks an admin would otherwise run by hand, each with a fix hint.
+
+Runs inside the daemon, which holds the driver and sees what the scheduler relies on. Checks only
+read; none changes anything. Blocking (NVML and /proc reads): run it off the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal
+
+from gpusched.gpu.backend import GpuError
+from gpusched.gpu.profiles import MODELS
+from gpusched.protocol import DoctorCheck
+
+if TYPE_CHECKING:
+    from gpusched.daemon.engine import Engine
+
+Status = Literal["PASS", "WARN", "FAIL"]
+PASS: Status = "PASS"
+WARN: Status = "WARN"
+FAIL: Status = "FAIL"
+
+
+def run_checks(engine: Engine, socket_path: str) -> list[DoctorCheck]:
+    checks: list[DoctorCheck] = []
+    checks += _driver(engine)
+    checks += _mig(engine)
+    checks += _foreign_processes(engine)
+    checks += _numa(engine)
+    checks.append(_cgroups(engine))
+    checks += _paths(engine, socket_path)
+    return checks
+
+
+def _check(name: str, status: Status, detail: str, hint: str = "") -> DoctorCheck:
+    return DoctorCheck(name=name, status=status, detail=detail, hint=hint)
+
+
+def _driver(engine: Engine) -> Iterable[DoctorCheck]:
+    inv = engine.inventory
+    if not inv.gpus:
+        yield _check("nvml", FAIL, "no GPUs visible", "check `nvidia-smi`; or run gpuschedd --sim for a trial")
+        return
+    yield _check("nvml", PASS, f"{inv.backend or 'nvml'} driver {inv.driver_version or 'unknown'}, "
+                 f"{len(inv.gpus)} GPU(s)")
+    for index, why in sorted(inv.errors.items()):
+        yield _check(f"gpu{index}.readable", FAIL, why, "the GPU is unschedulable until this is fixed")
+
+
+def _mig(engine: Engine) -> Iterable[DoctorCheck]:
+    for gpu in engine.inventory.gpus:
+        name = f"gpu{gpu.index}.mig"
+        if gpu.model not in MODELS:
+            yield _check(name, WARN, f"{gpu.name}: no MIG profile table (MIG needs Ampere A100/A30 or newer)",
+                         "whole-GPU and share jobs still work")
+            continue
+        if gpu.mig_enabled != gpu.mig_pending:
+            want = "on" if gpu.mig_pending else "off"
+            yield _check(name, WARN, f"MIG mode change to {want} is pending",
+                         f"idle the GPU and reset it: `nvidia-smi -i {gpu.index} -r` (or reboot)")
+        else:
+            yield _check(name, PASS, f"{gpu.model} supports MIG; MIG is {'on' if gpu.mig_enabled else 'off'}")
+
+
+def _foreign_processes(engine: Engine) -> Iterable[DoctorCheck]:
+    """CUDA processes that no gpusched job started: they block MIG changes and eat memory."""
+    job_sessions = {j.pid for j in engine.jobs.values() if j.pid}
+    foreign: list[str] = []
+    for gpu in engine.inventory.gpus:
+        for uuid in [gpu.uuid, *(i.uuid for i in gpu.instances)]:
+            try:
+                procs = engine.backend.processes(uuid)
+            except GpuError:
+                continue
+            for p in procs:
+                if _session_of(p.pid) not in job_sessions:
+                    foreign.append(f"pid {p.pid} ({_owner(p.pid)}: {_command(p.pid)}) on GPU {gpu.index}")
+    if foreign:
+        yield _check("processes", WARN, "CUDA processes not started by gpusched: " + "; ".join(sorted(set(foreign))),
+                     "they block MIG changes on their GPU; ask their owners to submit through gpusched")
+    else:
+        yield _check("processes", PASS, "every CUDA process belongs to a gpusched job")
+
+
+def _numa(engine: Engine) -> Iterable[DoctorCheck]:
+    unknown = [str(g.index) for g in engine.inventory.gpus if not g.cpu_affinity]
+    if unknown:
+        yield _check("numa", WARN, f"CPU affinity unknown for GPU(s) {', '.join(unknown)}",
+                     "jobs on them are not pinned to near CPUs")
+    else:
+        yield _check("numa", PASS, "CPU affinity known for every GPU")
+
+
+def _cgroups(engine: Engine) -> DoctorCheck:
+    if engine.cgroups is None:
+        return _check("cgroups", WARN, f"per-job cgroups off: {engine.cgroup_note}; CPU affinity only, "
+                      "--mem and --cpus time limits are not enforced",
+                      "run gpuschedd as the systemd service (systemd/gpusched.service has Delegate=yes)")
+    missing = engine.cgroups.missing()
+    if missing:
+        return _check("cgroups", WARN, f"{engine.cgroup_note}; missing controllers: {', '.join(missing)}",
+                      "enable them for the delegated subtree (systemd: Delegate=yes)")
+    return _check("cgroups", PASS, engine.cgroup_note)
+
+
+def _paths(engine: Engine, socket_path: str) -> Iterable[DoctorCheck]:
+    try:
+        mode = stat.S_IMODE(os.stat(socket_path).st_mode)
+        ok = mode & 0o666 == 0o666
+        yield _check("socket", PASS if ok else FAIL, f"{socket_path} mode {mode:04o}",
+                     "" if ok else f"chmod 0666 {socket_path}: identity comes from SO_PEERCRED, not the mode")
+    except OSError as exc:
+        yield _check("socket", FAIL, f"{socket_path}: {exc.strerror}")
+    state_dir = os.path.dirname(engine.store.path)
+    st = os.stat(state_dir)
+    writable_by_others = stat.S_IMODE(st.st_mode) & 0o022
+    if st.st_uid != os.geteuid() or writable_by_others:
+        yield _check("state_dir", FAIL, f"{state_dir} owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}",
+                     f"chown {os.geteuid()} {state_dir} && chmod 0711 {state_dir}")
+    else:
+        yield _check("state_dir", PASS, f"{state_dir} mode {stat.S_IMODE(st.st_mode):04o}, owned by the daemon")
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[3])  # session id: every process of a job shares the job's (it is a session leader)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner(pid: int) -> str:
+    import pwd
+
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        return pwd.getpwuid(uid).pw_name
+    except (OSError, KeyError):
+        return "unknown user"
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80] or "?"
+    except OSError:
+        return "?"

@@ -1,0 +1,46 @@
+"""`gpusched doctor` against the real daemon: checks, hints, exit codes, and a foreign process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from gpusched.daemon.devices import simulator_of
+from tests.cli.test_commands import gs
+from tests.conftest import DaemonHandle
+
+
+def test_doctor_reports_each_check_with_hints(daemon: DaemonHandle) -> None:
+    result = gs(daemon, "doctor")
+    assert result.exit_code == 0, result.output  # WARNs (no cgroups here) do not fail
+    names = {line.split()[1] for line in result.stdout.splitlines()[:-1] if not line.startswith(" ")}
+    assert {"nvml", "gpu0.mig", "gpu1.mig", "processes", "numa", "cgroups", "socket", "state_dir"} <= names
+    assert "WARN  cgroups" in result.stdout and "fix: run gpuschedd as the systemd service" in result.stdout
+    assert result.stdout.splitlines()[-1].endswith("0 failed")
+    checks = {c["name"]: c for c in json.loads(gs(daemon, "doctor", "--json").stdout)["checks"]}
+    assert checks["processes"]["status"] == "PASS"
+    assert checks["socket"]["detail"].endswith("mode 0666")
+
+
+def test_doctor_names_cuda_processes_that_gpusched_did_not_start(daemon: DaemonHandle) -> None:
+    outsider = subprocess.Popen(["sleep", "30"])
+    try:
+        assert daemon.daemon is not None
+        sim = simulator_of(daemon.daemon.engine.backend)
+        assert sim is not None
+        gpu_uuid = daemon.daemon.engine.inventory.gpus[0].uuid
+        sim.add_process(gpu_uuid, outsider.pid, 1 << 30)
+        checks = {c["name"]: c for c in json.loads(gs(daemon, "doctor", "--json").stdout)["checks"]}
+        assert checks["processes"]["status"] == "WARN"
+        assert f"pid {outsider.pid} (root: sleep 30) on GPU 0" in checks["processes"]["detail"]
+    finally:
+        outsider.kill()
+        outsider.wait()
+
+
+def test_doctor_fails_on_a_socket_others_cannot_use(daemon: DaemonHandle) -> None:
+    os.chmod(daemon.socket, 0o600)
+    result = gs(daemon, "doctor")
+    assert result.exit_code == 1
+    assert "FAIL  socket" in result.stdout and f"chmod 0666 {daemon.socket}" in result.stdout
