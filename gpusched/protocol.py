@@ -157,6 +157,13 @@ class SimInjectXidRequest(_Req):
     lost: bool = Field(default=False, description="the GPU falls off the bus instead")
 
 
+class StatsRequest(_Req):
+    """Per-user service, share and waits, Jain's index and device use over the last `since_s` seconds."""
+
+    op: Literal["stats"] = "stats"
+    since_s: float = Field(default=3600.0, gt=0, le=366 * 86400)
+
+
 class DoctorRequest(_Req):
     """Run the daemon's health checks (driver, MIG, foreign processes, cgroups, permissions)."""
 
@@ -188,6 +195,7 @@ Request = Annotated[
     | MigApplyRequest
     | SimInjectXidRequest
     | DoctorRequest
+    | StatsRequest
     | GpusRequest
     | ShutdownRequest,
     Field(discriminator="op"),
@@ -326,6 +334,38 @@ class SimResult(_Res):
     message: str
 
 
+class UserStatsInfo(_Res):
+    """One user's figures over the window (the shape of `perf sched latency`, for GPU jobs)."""
+
+    user: str
+    weight: float
+    jobs: int
+    starts: int
+    runtime_s: float
+    service_gpu_h: float
+    share: float = Field(description="fraction of all service delivered in the window")
+    entitled: float = Field(description="weight / sum of weights of users with work in the window")
+    wait_avg_s: float
+    wait_max_s: float
+    wait_max_at: float | None
+
+
+class DeviceStatsInfo(_Res):
+    gpu: int
+    uuid: str
+    kind: Literal["gpu", "mig"]
+    profile: str | None
+    busy_fraction: float = Field(description="fraction of the window the device was allocated")
+
+
+class StatsResult(_Res):
+    since: float
+    now: float
+    users: list[UserStatsInfo]
+    jain_index: float = Field(description="Jain's index over service / entitled share; 1.0 is perfectly fair")
+    devices: list[DeviceStatsInfo]
+
+
 class DoctorCheck(_Res):
     name: str
     status: Literal["PASS", "WARN", "FAIL"]
@@ -369,6 +409,7 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "mig_apply": MigApplyResult,
     "sim_inject_xid": SimResult,
     "doctor": DoctorResult,
+    "stats": StatsResult,
     "gpus": GpusResult,
     "shutdown": ShutdownResult,
 }

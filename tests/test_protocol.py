@@ -34,6 +34,7 @@ from gpusched.protocol import (
     ShowRequest,
     ShutdownRequest,
     SimInjectXidRequest,
+    StatsRequest,
     SubmitRequest,
     SuspendRequest,
     WaitRequest,
@@ -136,6 +137,7 @@ EVERY_REQUEST: list[BaseModel] = [
     MigApplyRequest(gpu=1, layout=["3g.40gb", "2g.20gb"], dry_run=True),
     SimInjectXidRequest(gpu=0, xid=94, gi=1, ci=0),
     DoctorRequest(),
+    StatsRequest(since_s=600),
     GpusRequest(),
     ShutdownRequest(),
 ]

@@ -59,6 +59,8 @@ from gpusched.protocol import (
     ShutdownResult,
     SimInjectXidRequest,
     SimResult,
+    StatsRequest,
+    StatsResult,
     SubmitRequest,
     SubmitResult,
     SuspendRequest,
@@ -608,6 +610,25 @@ def sim_inject_xid(ctx: click.Context, gpu: int, xid: int, gi: int | None, ci: i
     with _client(ctx) as client:
         result = client.call(SimInjectXidRequest(gpu=gpu, xid=xid, gi=gi, ci=ci, lost=lost), SimResult)
     click.echo(result.message)
+
+
+@cli.command()
+@click.option("--since", "since", default="1h", show_default=True, metavar="TIME",
+              help="window length: 30m, 1h, 2d, or Slurm's forms (90 = 90 minutes)")
+@click.option("--json", "as_json", is_flag=True, help="print the daemon's StatsResult (see docs/cli.md)")
+@click.pass_context
+def stats(ctx: click.Context, since: str, as_json: bool) -> None:
+    """Per-user service, share vs entitled share, waits; Jain's fairness index; device use."""
+    try:
+        window = parse_duration_s(since)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
+    with _client(ctx) as client:
+        result = client.call(StatsRequest(since_s=window), StatsResult)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(render.stats_text(result))
 
 
 @cli.command()

@@ -22,6 +22,7 @@ from gpusched.protocol import (
     JobsChanged,
     JobSummary,
     ShowResult,
+    StatsResult,
 )
 
 _UNITS = ("MiB", "GiB", "TiB", "PiB")
@@ -303,4 +304,25 @@ def doctor_text(result: DoctorResult) -> str:
             lines.append(f"      {' ' * width}  fix: {check.hint}")
     counts = {s: sum(1 for c in result.checks if c.status == s) for s in ("PASS", "WARN", "FAIL")}
     lines.append(f"{counts['PASS']} passed, {counts['WARN']} warnings, {counts['FAIL']} failed")
+    return "\n".join(lines)
+
+
+def stats_text(result: StatsResult, tz: tzinfo | None = None) -> str:
+    """`gpusched stats`: per-user service and delays (like `perf sched latency`), fairness, device use."""
+    span = format_duration(result.now - result.since)
+    lines = [f"Window: last {span} (since {format_time(result.since, tz)})", ""]
+    rows = [
+        (u.user, f"{u.weight:g}", str(u.jobs), f"{u.service_gpu_h:.2f}", f"{u.share:.0%}", f"{u.entitled:.0%}",
+         str(u.starts), format_duration(u.wait_avg_s), format_duration(u.wait_max_s),
+         format_time(u.wait_max_at, tz))
+        for u in result.users
+    ]
+    if rows:
+        lines.append(table(("USER", "WEIGHT", "JOBS", "GPU-H", "SHARE", "ENTITLED", "STARTS", "AVG WAIT",
+                            "MAX WAIT", "MAX WAIT AT"), rows))
+    else:
+        lines.append("No jobs in this window.")
+    lines += ["", f"Jain's fairness index (service / entitled share): {result.jain_index:.3f}", ""]
+    dev_rows = [(str(d.gpu), d.profile or "whole GPU", d.uuid, f"{d.busy_fraction:.0%}") for d in result.devices]
+    lines.append(table(("GPU", "DEVICE", "UUID", "ALLOCATED"), dev_rows))
     return "\n".join(lines)

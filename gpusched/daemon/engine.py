@@ -602,6 +602,11 @@ class Engine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def weight_of(self, user: str) -> float:
+        """A user's fair-share weight as the scheduler sees it (100 where it has no notion of weights)."""
+        weight = getattr(self.scheduler, "weight_of", None)
+        return float(weight(user)) if callable(weight) else 100.0
+
     def user_name(self, uid: int) -> str:
         try:
             return pwd.getpwuid(uid).pw_name

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusched import __version__
+from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
@@ -23,6 +24,7 @@ from gpusched.protocol import (
     CancelRequest,
     CancelResult,
     DevicesChanged,
+    DeviceStatsInfo,
     DoctorRequest,
     DoctorResult,
     ErrorCode,
@@ -53,9 +55,12 @@ from gpusched.protocol import (
     ShutdownResult,
     SimInjectXidRequest,
     SimResult,
+    StatsRequest,
+    StatsResult,
     SubmitRequest,
     SubmitResult,
     SuspendRequest,
+    UserStatsInfo,
     WaitRequest,
     WaitResult,
     check_version,
@@ -244,6 +249,30 @@ def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     return SimResult(message=f"XID {req.xid} injected on GPU {req.gpu}{scope}")
 
 
+def stats(ctx: Context, req: StatsRequest) -> StatsResult:
+    engine = ctx.engine
+    now = engine.clock()
+    since = now - req.since_s
+    jobs = engine.store.jobs_touching(since)
+    users = user_stats(jobs, since, now, engine.weight_of)
+    busy = device_busy_fraction(jobs, since, now)
+    devices = []
+    for gpu in engine.inventory.gpus:
+        if not gpu.mig_enabled:
+            devices.append(DeviceStatsInfo(gpu=gpu.index, uuid=gpu.uuid, kind="gpu", profile=None,
+                                           busy_fraction=min(1.0, busy.get(gpu.uuid, 0.0))))
+        for inst in gpu.instances:
+            devices.append(DeviceStatsInfo(gpu=gpu.index, uuid=inst.uuid, kind="mig", profile=inst.profile,
+                                           busy_fraction=min(1.0, busy.get(inst.uuid, 0.0))))
+    return StatsResult(
+        since=since, now=now, jain_index=fairness_index(users), devices=devices,
+        users=[UserStatsInfo(user=u.user, weight=u.weight, jobs=u.jobs, starts=u.starts, runtime_s=u.runtime_s,
+                             service_gpu_h=u.service_gpu_s / 3600, share=u.share, entitled=u.entitled,
+                             wait_avg_s=u.wait_avg_s, wait_max_s=u.wait_max_s, wait_max_at=u.wait_max_at)
+               for u in users],
+    )
+
+
 async def doctor(ctx: Context, req: DoctorRequest) -> DoctorResult:
     checks = await asyncio.to_thread(run_checks, ctx.engine, ctx.socket_path)
     if not ctx.admin:  # other users' pids and command lines are theirs
@@ -296,6 +325,7 @@ HANDLERS: dict[str, Handler] = {
     "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
     "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
     "doctor": doctor,
+    "stats": stats,
     "gpus": gpus, "shutdown": shutdown,
 }
 

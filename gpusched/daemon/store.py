@@ -163,6 +163,10 @@ class Store:
         marks = ", ".join("?" for _ in names)
         return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
 
+    def jobs_touching(self, since: float) -> list[Job]:
+        """Jobs not finished before `since` (unfinished ones included), in submission order."""
+        return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,)))
+
     def recent(self, limit: int, user: str | None = None) -> list[Job]:
         """The newest `limit` jobs (any state), oldest first."""
         where, args = ("WHERE user = ?", (user,)) if user is not None else ("", ())
