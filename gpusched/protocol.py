@@ -157,6 +157,15 @@ class SimInjectXidRequest(_Req):
     lost: bool = Field(default=False, description="the GPU falls off the bus instead")
 
 
+class WatchRequest(_Req):
+    """Stream TopSnapshot frames: one now, then one whenever something changes (at most
+    `max_rate_hz` a second, and at least every 2 s so runtimes tick), until the client hangs up."""
+
+    op: Literal["watch"] = "watch"
+    max_rate_hz: float = Field(default=4.0, ge=0.1, le=20.0)
+    max_pending: int = Field(default=50, ge=0, le=1000, description="pending jobs listed (all are counted)")
+
+
 class StatsRequest(_Req):
     """Per-user service, share and waits, Jain's index and device use over the last `since_s` seconds."""
 
@@ -196,6 +205,7 @@ Request = Annotated[
     | SimInjectXidRequest
     | DoctorRequest
     | StatsRequest
+    | WatchRequest
     | GpusRequest
     | ShutdownRequest,
     Field(discriminator="op"),
@@ -366,6 +376,39 @@ class StatsResult(_Res):
     devices: list[DeviceStatsInfo]
 
 
+class TopJob(_Res):
+    id: int
+    name: str
+    user: str
+    state: JobState
+    request: str
+    devices: list[str]
+    submitted_at: float
+    started_at: float | None
+    gpu_mem_mib: int | None = Field(default=None, description="GPU memory its processes use, when NVML says")
+
+
+class TopUser(_Res):
+    user: str
+    weight: float
+    running: int
+    pending: int
+    service_gpu_h: float = Field(description="service charged so far (the scheduler's standing)")
+    lag_gpu_s: float | None = Field(description="positive: owed service; negative: ahead of its share")
+    next_job: int | None
+
+
+class TopSnapshot(_Res):
+    seq: int
+    now: float
+    gpus: list[GpuInfo]
+    running: list[TopJob]
+    pending: list[TopJob] = Field(description="the first max_pending pending jobs in submission order")
+    pending_total: int
+    users: list[TopUser]
+    events: list[Event]
+
+
 class DoctorCheck(_Res):
     name: str
     status: Literal["PASS", "WARN", "FAIL"]
@@ -410,6 +453,7 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "sim_inject_xid": SimResult,
     "doctor": DoctorResult,
     "stats": StatsResult,
+    "watch": TopSnapshot,
     "gpus": GpusResult,
     "shutdown": ShutdownResult,
 }

@@ -38,6 +38,7 @@ from gpusched.protocol import (
     SubmitRequest,
     SuspendRequest,
     WaitRequest,
+    WatchRequest,
     check_version,
     decode_body,
     encode_frame,
@@ -138,6 +139,7 @@ EVERY_REQUEST: list[BaseModel] = [
     SimInjectXidRequest(gpu=0, xid=94, gi=1, ci=0),
     DoctorRequest(),
     StatsRequest(since_s=600),
+    WatchRequest(max_rate_hz=2, max_pending=10),
     GpusRequest(),
     ShutdownRequest(),
 ]

@@ -120,6 +120,10 @@ class Client:
         if self._sock is None:
             raise RuntimeError("not connected")
         self._sock.sendall(encode_frame(message))
+        return self.read_reply()
+
+    def read_reply(self) -> dict[str, Any]:
+        """The next frame from the daemon (a streaming request such as `watch` sends many)."""
         header = self._recv_exactly(HEADER.size)
         return decode_body(self._recv_exactly(frame_length(header)))
 

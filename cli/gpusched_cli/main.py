@@ -613,6 +613,27 @@ def sim_inject_xid(ctx: click.Context, gpu: int, xid: int, gi: int | None, ci: i
 
 
 @cli.command()
+@click.option("--once", is_flag=True, help="print one snapshot and exit (for scripts)")
+@click.option("--width", type=click.IntRange(40, 1000), default=120, show_default=True,
+              help="line width for --once")
+@click.pass_context
+def top(ctx: click.Context, once: bool, width: int) -> None:
+    """Live view: GPUs and their MIG slices, running jobs, the queue by user, recent events.
+
+    Keys: q quit, s cycle sort (id, user, runtime, memory), u filter by user, p pause.
+    The daemon pushes a new picture whenever something changes.
+    """
+    from gpusched_cli import top as top_view  # curses is only needed here
+
+    with _client(ctx, timeout=30.0) as client:
+        if once:
+            snapshot = top_view.first_snapshot(client)
+            click.echo("\n".join(top_view.render_top(snapshot, top_view.View(), width=width)))
+            return
+        top_view.run_live(client)
+
+
+@cli.command()
 @click.option("--since", "since", default="1h", show_default=True, metavar="TIME",
               help="window length: 30m, 1h, 2d, or Slurm's forms (90 = 90 minutes)")
 @click.option("--json", "as_json", is_flag=True, help="print the daemon's StatsResult (see docs/cli.md)")

@@ -76,7 +76,7 @@ def _foreign_processes(engine: Engine) -> Iterable[DoctorCheck]:
             except GpuError:
                 continue
             for p in procs:
-                if _session_of(p.pid) not in job_sessions:
+                if session_of(p.pid) not in job_sessions:
                     foreign.append(f"pid {p.pid} ({_owner(p.pid)}: {_command(p.pid)}) on GPU {gpu.index}")
     if foreign:
         yield _check("processes", WARN, "CUDA processes not started by gpusched: " + "; ".join(sorted(set(foreign))),
@@ -124,7 +124,7 @@ def _paths(engine: Engine, socket_path: str) -> Iterable[DoctorCheck]:
         yield _check("state_dir", PASS, f"{state_dir} mode {stat.S_IMODE(st.st_mode):04o}, owned by the daemon")
 
 
-def _session_of(pid: int) -> int | None:
+def session_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()

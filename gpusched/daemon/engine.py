@@ -233,6 +233,7 @@ class Engine:
     def _on_gpu_event(self, event: XidEvent) -> None:
         """An XID (or a lost GPU) from the driver: apply the policy to the jobs on those devices."""
         now = self.clock()
+        self.metrics.record_xid(event.gpu_index, event.xid)
         decision = self.devices.on_event(event, self.inventory, now)
         hit = set(decision.devices)
         for job in list(self.jobs.values()):
@@ -245,6 +246,7 @@ class Engine:
                 self._request_stop(job, StopRequest(final, decision.reason))
         if event.lost:
             self._spawn(self.refresh_inventory())
+        self._notify()  # watchers (gpusched top) show the event
         self.wake()
 
     def drain(self, device: str, reason: str) -> list[str]:
@@ -275,6 +277,8 @@ class Engine:
             return change, []
         try:
             done = await asyncio.to_thread(self.devices.apply_layout, gpu, change, self.clock())
+            for _ in done:  # one entry per instance created or destroyed
+                self.metrics.record_mig_reconfiguration(gpu_index)
         finally:
             await self.refresh_inventory()
             self.wake()

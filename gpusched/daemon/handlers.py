@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpusched import __version__
 from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
 from gpusched.daemon.devices import DeviceError, simulator_of
-from gpusched.daemon.doctor import run_checks
+from gpusched.daemon.doctor import run_checks, session_of
 from gpusched.daemon.engine import Engine
 from gpusched.gpu.backend import GpuError
-from gpusched.model import TERMINAL_STATES, Job, describe_request
+from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, describe_request
 from gpusched.protocol import (
     PROTOCOL_VERSION,
     CancelRequest,
@@ -60,9 +60,13 @@ from gpusched.protocol import (
     SubmitRequest,
     SubmitResult,
     SuspendRequest,
+    TopJob,
+    TopSnapshot,
+    TopUser,
     UserStatsInfo,
     WaitRequest,
     WaitResult,
+    WatchRequest,
     check_version,
 )
 
@@ -249,6 +253,72 @@ def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     return SimResult(message=f"XID {req.xid} injected on GPU {req.gpu}{scope}")
 
 
+async def watch(ctx: Context, req: WatchRequest) -> AsyncIterator[TopSnapshot]:
+    """Push a snapshot now and after every change (coalesced to `max_rate_hz`), for `gpusched top`."""
+    engine = ctx.engine
+    loop = asyncio.get_running_loop()
+    seq = 0
+    while not engine.shutting_down:
+        seq += 1
+        yield await _top_snapshot(ctx, seq, req.max_pending)
+        sent = loop.time()
+        await engine.wait_for_change(2.0)  # a heartbeat at least every 2 s keeps runtimes moving
+        await asyncio.sleep(max(0.0, 1.0 / req.max_rate_hz - (loop.time() - sent)))
+
+
+async def _top_snapshot(ctx: Context, seq: int, max_pending: int) -> TopSnapshot:
+    engine = ctx.engine
+    jobs = sorted(engine.jobs.values(), key=lambda j: j.id)
+    active = [j for j in jobs if j.state in ACTIVE_STATES]
+    pending = [j for j in jobs if j.state in (JobState.PENDING, JobState.HELD)]
+    memory = await asyncio.to_thread(_gpu_memory_by_job, engine, active)
+    standing = engine.scheduler.export_standing() if hasattr(engine.scheduler, "export_standing") else {}
+    counts: dict[str, list[int]] = {}  # user -> [running, pending, next pending job id]
+    for job in jobs:
+        row = counts.setdefault(job.user, [0, 0, 0])
+        if job.state in ACTIVE_STATES:
+            row[0] += 1
+        elif job.state is JobState.PENDING:
+            row[1] += 1
+            row[2] = row[2] or job.id
+    users = [
+        TopUser(user=user, weight=engine.weight_of(user), running=r, pending=p,
+                service_gpu_h=standing.get(user, {}).get("service", 0.0) / 3600,
+                lag_gpu_s=standing[user]["lag"] if user in standing else None, next_job=nxt or None)
+        for user, (r, p, nxt) in sorted(counts.items()) if r or p
+    ]
+    return TopSnapshot(
+        seq=seq, now=engine.clock(), gpus=gpus(ctx, GpusRequest()).gpus,
+        running=[_top_job(j, memory.get(j.id)) for j in active],
+        pending=[_top_job(j, None) for j in pending[:max_pending]], pending_total=len(pending),
+        users=users, events=engine.store.events(limit=20),
+    )
+
+
+def _top_job(job: Job, gpu_mem_mib: int | None) -> TopJob:
+    return TopJob(id=job.id, name=job.display_name, user=job.user, state=job.state,
+                  request=describe_request(job.spec.request),
+                  devices=job.allocation.uuids if job.allocation is not None else [],
+                  submitted_at=job.submitted_at, started_at=job.started_at, gpu_mem_mib=gpu_mem_mib)
+
+
+def _gpu_memory_by_job(engine: Engine, active: list[Job]) -> dict[int, int]:
+    """MiB of GPU memory each job's processes use (NVML; processes matched by the job's session)."""
+    by_session = {j.pid: j.id for j in active if j.pid}
+    devices = {u for j in active if j.allocation is not None for u in j.allocation.uuids}
+    used: dict[int, int] = {}
+    for uuid in devices:
+        try:
+            procs = engine.backend.processes(uuid)
+        except GpuError:
+            continue
+        for p in procs:
+            job_id = by_session.get(session_of(p.pid) or -1)
+            if job_id is not None and p.used_memory_bytes is not None:
+                used[job_id] = used.get(job_id, 0) + p.used_memory_bytes // 2**20
+    return used
+
+
 def stats(ctx: Context, req: StatsRequest) -> StatsResult:
     engine = ctx.engine
     now = engine.clock()
@@ -326,6 +396,7 @@ HANDLERS: dict[str, Handler] = {
     "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
     "doctor": doctor,
     "stats": stats,
+    "watch": watch,
     "gpus": gpus, "shutdown": shutdown,
 }
 

@@ -15,8 +15,10 @@ import pwd
 import socket
 import stat
 import struct
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+
+from pydantic import BaseModel
 
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.handlers import HANDLERS, Context, Peer
@@ -147,9 +149,27 @@ class Server:
                 reply, greeted = await self._answer(ctx, body, greeted)
             finally:
                 self._end()
+            if isinstance(reply, AsyncIterator):
+                await self._stream(reader, writer, reply)  # the connection now belongs to the stream
+                return
             await self._send(writer, reply)
 
-    async def _answer(self, ctx: Context, body: bytes, greeted: bool) -> tuple[dict[str, Any], bool]:
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      results: AsyncIterator[BaseModel]) -> None:
+        """Send each result of a streaming request until the client hangs up or we shut down."""
+        hangup = asyncio.ensure_future(reader.read(1))  # a streaming client sends nothing more
+        try:
+            async for result in results:
+                if hangup.done() or self._closing:
+                    break
+                await self._send(writer, ok(result))
+        finally:
+            hangup.cancel()
+            await results.aclose()  # type: ignore[attr-defined]
+
+    async def _answer(
+        self, ctx: Context, body: bytes, greeted: bool
+    ) -> tuple[dict[str, Any] | AsyncIterator[BaseModel], bool]:
         try:
             obj = decode_body(body)
             request = parse_request(obj)
@@ -160,6 +180,8 @@ class Server:
             if self._closing and not isinstance(request, HelloRequest):
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", "retry in a moment")
             result = HANDLERS[request.op](ctx, request)
+            if inspect.isasyncgen(result):
+                return cast(AsyncIterator[BaseModel], result), greeted
             if inspect.isawaitable(result):
                 result = await result
             return ok(result), greeted or isinstance(request, HelloRequest)
