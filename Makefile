@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench clean
+.PHONY: demo test lint typecheck check bench clean host-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m gpusched_cli.demo
 
+## Tools the tests use from the host: systemd-analyze verifies the unit, tmux drives `top`. Installed when we are
+## root and it is missing (CI); otherwise the test that needs it says how to get it.
+host-tools:
+	@if ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd tmux; \
+		else \
+			echo "note: systemd-analyze or tmux missing; the tests that need them say how to install them"; \
+		fi; \
+	fi
+
 ## Run the whole test suite plus lint and type checks.
-test: $(STAMP)
+test: $(STAMP) host-tools
 	$(BIN)/ruff check gpusched cli tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q

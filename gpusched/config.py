@@ -36,7 +36,7 @@ class GpuConfig(BaseModel):
 
 
 class DaemonConfig(BaseModel):
-    """Everything gpuschedd needs to start. Every field is documented in docs/admin-guide.md."""
+    """Everything gpuschedd needs to start. docs/config.md documents every field (python -m gpusched.config_doc)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -24,9 +24,11 @@ from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
+from gpusched.daemon.metrics import MetricsServer
 from gpusched.daemon.server import Server, SocketInUse
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError
+from gpusched.model import JobState
 
 log = logging.getLogger("gpusched")
 
@@ -45,6 +47,12 @@ class Daemon:
     server: Server
     backend: GpuBackend
     stopped: asyncio.Event
+    metrics: MetricsServer | None = None  # serving /metrics when metrics_address is set
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is bound to (the real one when metrics_address asked for port 0)."""
+        return self.metrics.port if self.metrics is not None else None
 
     def request_stop(self) -> None:
         self.stopped.set()
@@ -110,13 +118,25 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
         store.close()
         raise StartupError(str(exc)) from None
     await engine.start()
+    metrics = None
+    if config.metrics_address is not None:
+        metrics = MetricsServer(engine, config.metrics_address, backend_name)
+        try:
+            await metrics.start()
+        except OSError as exc:
+            await server.close()
+            await engine.stop()
+            store.close()
+            raise StartupError(f"metrics_address {config.metrics_address}: cannot listen: {exc.strerror}") from None
     log.info("gpuschedd %s listening on %s (%s backend, %d GPUs)", __version__, config.socket, backend_name,
              len(engine.inventory.gpus))
-    return Daemon(config, store, engine, server, backend, stopped)
+    return Daemon(config, store, engine, server, backend, stopped, metrics)
 
 
 async def stop(daemon: Daemon) -> None:
     """Stop accepting, finish in-flight requests, persist, release the GPU backend."""
+    if daemon.metrics is not None:
+        await daemon.metrics.close()
     await daemon.server.close()
     await daemon.engine.stop()
     daemon.store.close()
@@ -127,18 +147,43 @@ async def stop(daemon: Daemon) -> None:
 async def run(config: DaemonConfig, install_signals: bool = True,
               on_ready: Callable[[Daemon], Awaitable[None]] | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or a `shutdown` request); returns the process exit code."""
+    sd_notify("STATUS=starting: reading GPUs and recovering jobs")
     daemon = await start(config)
     if install_signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
     sd_notify("READY=1\nSTATUS=serving")
+    heartbeat = asyncio.create_task(_systemd_heartbeat(daemon), name="gpusched-sd-notify")
     if on_ready is not None:
         await on_ready(daemon)
     await daemon.stopped.wait()
-    sd_notify("STOPPING=1")
+    heartbeat.cancel()
+    sd_notify("STOPPING=1\nSTATUS=stopping: running jobs stay with their shims")
     await stop(daemon)
     return 0
+
+
+async def _systemd_heartbeat(daemon: Daemon) -> None:
+    """WATCHDOG=1 at half of WatchdogSec (from the event loop, so a stuck loop gets us restarted), and
+    STATUS= with job counts for `systemctl status`. Does nothing outside a Type=notify service."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    watchdog = usec.isdigit() and int(usec) > 0 and os.environ.get("WATCHDOG_PID", str(os.getpid())) == str(
+        os.getpid())
+    interval = int(usec) / 2e6 if watchdog else 5.0
+    last = ""
+    while True:
+        jobs = daemon.engine.jobs.values()
+        running = sum(1 for j in jobs if j.state is JobState.RUNNING)
+        pending = sum(1 for j in jobs if j.state is JobState.PENDING)
+        status = f"STATUS=serving: {running} running, {pending} pending on {len(daemon.engine.inventory.gpus)} GPUs"
+        message = "\n".join(m for m in ("WATCHDOG=1" if watchdog else "", status if status != last else "") if m)
+        if message:
+            sd_notify(message)
+        last = status
+        await asyncio.sleep(interval)
 
 
 def sd_notify(message: str) -> None:
