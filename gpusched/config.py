@@ -25,14 +25,80 @@ class ConfigError(Exception):
 
 
 class GpuConfig(BaseModel):
-    """Per-GPU setup. `mig` lists the instances a static layout should have (created at start)."""
+    """Per-GPU setup: a whole GPU (default), a fixed MIG layout, or a layout the scheduler plans."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mig: list[str] | None = Field(
-        default=None, description="static MIG layout, e.g. [\"3g.40gb\", \"2g.20gb\"]; the GPU must be in MIG mode"
+    mig: list[str] | Literal["dynamic"] | None = Field(
+        default=None,
+        description="MIG layout: a fixed list of profiles created at start (e.g. [\"3g.40gb\", \"2g.20gb\"]), or "
+        "\"dynamic\" to let the scheduler create and destroy idle instances from demand; the GPU must be in "
+        "MIG mode (simulated GPUs are switched on)",
     )
-    share: ShareModeName = Field(default="exclusive", description="how the device is shared between jobs")
+    share: ShareModeName = Field(
+        default="exclusive",
+        description="how the GPU (or each of its MIG instances) is shared: one job (exclusive), MPS clients with "
+        "thread % and pinned-memory caps (mps), or co-resident jobs with memory accounting (timeslice)",
+    )
+    interactive: bool = Field(
+        default=False, description="reserve this GPU (and its instances) for `--class interactive` jobs"
+    )
+
+
+class FairnessSection(BaseModel):
+    """`[fairness]`: weights like cgroup cpu.weight; see docs/scheduling.md for the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default_weight: int = Field(default=100, ge=1, le=10000, description="weight of users not listed")
+    weights: dict[str, int] = Field(
+        default_factory=dict, description="user name or numeric uid (as a string) -> weight 1..10000"
+    )
+    groups: dict[str, str] = Field(
+        default_factory=dict, description="user name or uid -> group; a group's members share its weight"
+    )
+    group_weights: dict[str, int] = Field(default_factory=dict, description="group -> weight 1..10000")
+    batch_quantum_s: float = Field(default=3600.0, gt=0, description="request length behind a batch job's deadline")
+    interactive_quantum_s: float = Field(
+        default=300.0, gt=0, description="shorter request: earlier deadline for interactive jobs, same share"
+    )
+    lag_limit_gpu_s: float = Field(
+        default=8 * 3600.0, ge=0, description="credit or debt (GPU-seconds at weight 100) kept across idle periods"
+    )
+
+    @field_validator("weights", "group_weights")
+    @classmethod
+    def _weight_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, weight in value.items():
+            if not 1 <= weight <= 10000:
+                raise ValueError(f"weight of {name!r} must be in 1..10000, got {weight}")
+        return value
+
+
+class SchedulerSection(BaseModel):
+    """`[scheduler]`: backfill and preemption."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backfill: bool = Field(default=True, description="let jobs with --time start in holes that end in time")
+    preempt_after_s: float | None = Field(
+        default=1800.0, gt=0, description="preempt --requeue jobs for a user below their share (or an interactive "
+        "job) that has waited this long; unset: never preempt",
+    )
+    preempt_min_gain_s: float = Field(
+        default=300.0, ge=0, description="preempt only if the waiting job would otherwise wait longer than this"
+    )
+
+
+class MigSection(BaseModel):
+    """`[mig]`: damping for GPUs with `mig = \"dynamic\"`, so layouts do not thrash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_idle_s: float = Field(default=300.0, ge=0, description="an idle instance must be idle this long to go")
+    min_reconfig_interval_s: float = Field(
+        default=600.0, ge=0, description="minimum time between reconfigurations that destroy, per GPU"
+    )
 
 
 class DaemonConfig(BaseModel):
@@ -49,6 +115,13 @@ class DaemonConfig(BaseModel):
     tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
+    fairness: FairnessSection = Field(default_factory=FairnessSection, description="fair-share weights and quanta")
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="backfill and preemption")
+    mig: MigSection = Field(default_factory=MigSection, description="dynamic MIG damping")
+    mps_control: str | None = Field(
+        default=None, description="path of nvidia-cuda-mps-control; unset: the one on PATH (simulated GPUs: "
+        "gpusched's simulated control program)"
+    )
     health_auto_resume_s: float | None = Field(
         default=None, gt=0, description="resume a device drained by an XID after this many quiet seconds; "
         "unset: only `gpusched gpus resume` brings it back"

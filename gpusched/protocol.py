@@ -70,6 +70,10 @@ class QueueRequest(_Req):
     all: bool = Field(default=False, description="include finished jobs")
     user: str | None = Field(default=None, description="only this user's jobs")
     limit: int = Field(default=1000, ge=1, le=100_000, description="newest finished jobs kept with --all")
+    order: Literal["id", "fairness"] = Field(
+        default="id", description="id: submission order; fairness: active jobs, then pending in the order "
+        "the scheduler would start them"
+    )
 
 
 class ShowRequest(_Req):

@@ -415,13 +415,15 @@ def _wait_for(client: Client, job_id: int) -> Job:
 @cli.command()
 @click.option("--all", "show_all", is_flag=True, help="include finished jobs")
 @click.option("--user", metavar="USER", help="only this user's jobs")
+@click.option("--order", type=click.Choice(["id", "fairness"]), default="id", show_default=True,
+              help="fairness: pending jobs in the order the scheduler would start them")
 @click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...]} (see docs/cli.md)')
 @click.pass_context
-def queue(ctx: click.Context, show_all: bool, user: str | None, as_json: bool) -> None:
+def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, as_json: bool) -> None:
     """List pending and running jobs (with --all, finished ones too)."""
     labels: dict[str, str] = {}
     with _client(ctx) as client:
-        result = client.call(QueueRequest(all=show_all, user=user), QueueResult)
+        result = client.call(QueueRequest(all=show_all, user=user, order=order), QueueResult)  # type: ignore[arg-type]
         if not as_json and any(job.devices for job in result.jobs):
             labels = render.device_labels(client.call(GpusRequest(), GpusResult))
     if as_json:
@@ -677,6 +679,64 @@ def shutdown(ctx: click.Context) -> None:
     with _client(ctx) as client:
         result = client.call(ShutdownRequest(), ShutdownResult)
     click.echo("gpuschedd is stopping" if result.stopping else "gpuschedd did not agree to stop")
+
+
+@cli.command()
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["auto", "csv", "alibaba"]), default="auto", show_default=True,
+              help="trace format; auto looks at the header")
+@click.option("--gpus", default="H100-80GB:8", show_default=True, metavar="MODEL:COUNT[,...]",
+              help="simulated node, as gpuschedd --sim")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="replay TOML: [fairness] [scheduler] [mig] [replay] [interference] (docs/replay.md)")
+@click.option("--policy", default="all", show_default=True,
+              help="gpusched, fifo-whole, fifo-timeslice, static-mig, or all")
+@click.option("--load", type=float, default=None, help="scale arrivals to this offered load (alibaba default 0.9)")
+@click.option("--users", type=click.IntRange(1, 100000), default=16, show_default=True,
+              help="alibaba: pods are spread over this many users (hash of name and seed)")
+@click.option("--seed", type=int, default=1, show_default=True, help="alibaba: seed of the user assignment")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per policy, one per line (docs/replay.md)")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG: utilization over time and service per user")
+@click.pass_context
+def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str | None, policy: str,
+           load: float | None, users: int, seed: int, as_json: bool, plot_path: str | None) -> None:
+    """Replay a job trace through the scheduler on simulated GPUs under a virtual clock (no daemon).
+
+    Runs each policy on the same trace and prints their figures side by side. Exits 2 on a bad
+    trace, config or option.
+    """
+    from gpusched.replay import runner  # heavy (core, simulator): only when this command runs
+    from gpusched.replay.policies import ReplayConfigError
+    from gpusched.replay.trace import TraceError
+
+    try:
+        report = runner.run_replay(trace, gpus=gpus, fmt=fmt, config_path=config_path,
+                                   policies=runner.resolve_policies(policy), load=load, users=users, seed=seed)
+    except TraceError as exc:
+        click.echo(f"gpusched: bad trace:\n{exc}", err=True)
+        ctx.exit(EXIT_USAGE)
+    except (ReplayConfigError, ValueError) as exc:
+        click.echo(f"gpusched: {exc}", err=True)
+        ctx.exit(EXIT_USAGE)
+    except OSError as exc:
+        click.echo(f"gpusched: {trace}: {exc.strerror}", err=True)
+        ctx.exit(EXIT_USAGE)
+    if as_json:
+        for summary in report.summaries:
+            click.echo(json.dumps(summary))
+    else:
+        click.echo(runner.render_table(report))
+    if plot_path is not None:
+        from gpusched.replay.plot import PlotUnavailable, write_plot
+
+        try:
+            write_plot(report, plot_path)
+        except PlotUnavailable as exc:
+            click.echo(f"gpusched: {exc}", err=True)
+            ctx.exit(EXIT_ERROR)
+        if not as_json:
+            click.echo(f"plot written to {plot_path}")
 
 
 def main() -> None:

@@ -34,12 +34,14 @@ from gpusched.core.scheduler import (
 )
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, JobLimits
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
+from gpusched.daemon.doctor import session_of
 from gpusched.daemon.executor import Executor, ExitStatus, Identity
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
 from gpusched.daemon.metrics import Metrics, pending_since
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
 from gpusched.gpu.health import HealthAction
+from gpusched.gpu.mps import MpsManager
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -86,6 +88,7 @@ class Engine:
         self.cgroup_note = ""  # what `doctor` says about per-job cgroups
         self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/metrics.py)
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
+        self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
         self.jobs: dict[int, Job] = {}
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
@@ -104,6 +107,10 @@ class Engine:
         """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
         await self.refresh_inventory()
         await self._apply_static_layouts()
+        saved = self.store.get_meta("standing")
+        load = getattr(self.scheduler, "load_standing", None)
+        if saved and callable(load):
+            load(json.loads(saved))
         for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
             self.jobs[job.id] = job
         stops = self.store.get_meta("stop_requests")
@@ -127,6 +134,7 @@ class Engine:
             timer.cancel()
         self.executor.detach()
         self._persist_stops()
+        self._persist_standing()
 
     def wake(self) -> None:
         self._wake.set()
@@ -148,6 +156,7 @@ class Engine:
                     self._poll_adopted()
                     for device in self.devices.tick(self.clock()):
                         log.info("device %s back in service after its quiet period", device)
+                    await self._watch_gpu_memory()
                 self._enforce_time_limits()
                 await self._pass()
             except Exception:  # the loop must survive a bad pass; the next event retries
@@ -168,7 +177,7 @@ class Engine:
                 ErrorCode.PERMISSION_DENIED, "jobs submitted by root are refused",
                 "submit as an ordinary user, or set allow_root_jobs = true in the daemon config",
             )
-        reason = unsatisfiable_reason(spec.request, self.inventory.gpus)
+        reason = unsatisfiable_reason(spec.request, self.inventory.gpus, self.share_modes(), self.dynamic_gpus())
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
         for dep in spec.after:
@@ -285,7 +294,8 @@ class Engine:
         return change, done
 
     async def _apply_static_layouts(self) -> None:
-        """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed)."""
+        """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed), and switch
+        simulated GPUs configured with any MIG setting into MIG mode."""
         for key, gpu_config in sorted(self.config.gpus.items()):
             if gpu_config.mig is None:
                 continue
@@ -297,6 +307,8 @@ class Engine:
             if not gpu.mig_enabled and simulator_of(self.backend) is not None:
                 await asyncio.to_thread(self.backend.set_mig_mode, index, True)  # a simulated GPU starts as told
                 await self.refresh_inventory()
+            if gpu_config.mig == "dynamic":
+                continue  # the scheduler plans this GPU's layout from demand
             try:
                 change, done = await self.apply_mig_layout(index, gpu_config.mig, dry_run=False)
             except (DeviceError, GpuError) as exc:
@@ -342,7 +354,44 @@ class Engine:
             pending=tuple(j for j in jobs if j.state is JobState.PENDING and self._ready(j)),
             active=tuple(j for j in jobs if j.state in ACTIVE_STATES),
             unschedulable=self.devices.unschedulable(self.inventory),
+            share_modes=self.share_modes(),
+            dynamic=self.dynamic_gpus(),
+            mps_owner=self._mps_owners(),
+            reserved_interactive=self._reserved_interactive(),
         )
+
+    def share_modes(self) -> dict[str, str]:
+        """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared."""
+        modes: dict[str, str] = {}
+        for gpu in self.inventory.gpus:
+            gpu_config = self.config.gpus.get(str(gpu.index))
+            if gpu_config is not None and gpu_config.share != "exclusive":
+                modes[gpu.uuid] = gpu_config.share
+                modes.update((i.uuid, gpu_config.share) for i in gpu.instances)
+        return modes
+
+    def dynamic_gpus(self) -> frozenset[int]:
+        return frozenset(int(k) for k, g in self.config.gpus.items() if g.mig == "dynamic")
+
+    def _reserved_interactive(self) -> frozenset[str]:
+        out: set[str] = set()
+        for gpu in self.inventory.gpus:
+            gpu_config = self.config.gpus.get(str(gpu.index))
+            if gpu_config is not None and gpu_config.interactive:
+                out.add(gpu.uuid)
+                out.update(i.uuid for i in gpu.instances)
+        return frozenset(out)
+
+    def _mps_owners(self) -> dict[str, int]:
+        """An MPS server serves one uid at a time: the uid of the shares running on each device."""
+        owners: dict[str, int] = {}
+        modes = self.share_modes()
+        for job in self.jobs.values():
+            if job.state in ACTIVE_STATES and job.allocation is not None and job.allocation.share is not None:
+                for uuid in job.allocation.uuids:
+                    if modes.get(uuid) == "mps":
+                        owners[uuid] = job.uid
+        return owners
 
     def _dependency_status(self, dep: Dependency) -> bool | None:
         """True when met, False when it can never be met, None while the other job has not ended."""
@@ -377,6 +426,8 @@ class Engine:
         began = time.perf_counter()
         self._fail_broken_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
+        if actions or self.passes % 30 == 0:
+            self._persist_standing()
         for action in actions:
             await self._apply(action)
         self.metrics.observe_pass(time.perf_counter() - began)
@@ -393,17 +444,28 @@ class Engine:
             if job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
                 self._request_stop(job, StopRequest(JobState.PREEMPTED, action.reason))
         elif isinstance(action, CreateInstance):
-            await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start)
+            if await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start):
+                self.metrics.record_mig_reconfiguration(action.gpu_index)
+                self.store.add_event(Event(at=self.clock(), kind="mig_create", gpu=action.gpu_index,
+                                           message=f"created {action.profile} at {action.start}: {action.reason}"))
         elif isinstance(action, DestroyInstance):
-            await self._gpu_call(self.backend.destroy_instance, action.uuid)
+            gpu_index = next((g.index for g in self.inventory.gpus for i in g.instances if i.uuid == action.uuid), -1)
+            if await self._gpu_call(self.backend.destroy_instance, action.uuid):
+                self.metrics.record_mig_reconfiguration(gpu_index)
+                self.store.add_event(Event(at=self.clock(), kind="mig_destroy", gpu=gpu_index, device=action.uuid,
+                                           message=f"destroyed {action.uuid}: {action.reason}"))
 
-    async def _gpu_call(self, fn: Callable[..., object], *args: object) -> None:
+    async def _gpu_call(self, fn: Callable[..., object], *args: object) -> bool:
+        """Run a blocking backend call off the loop; False (logged) if the driver refused."""
+        ok = True
         try:
             await asyncio.to_thread(fn, *args)
         except GpuError as exc:
+            ok = False
             log.warning("%s%r failed: %s", getattr(fn, "__name__", "gpu call"), args, exc.message)
         await self.refresh_inventory()
         self.wake()
+        return ok
 
     async def _start(self, action: StartJob) -> None:
         job = self.jobs.get(action.job_id)
@@ -411,7 +473,11 @@ class Engine:
             return
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
-        added = self._allocation_env(job, action.allocation)
+        try:
+            added = self._allocation_env(job, action.allocation) | await self._mps_env(action.allocation)
+        except GpuError as exc:
+            self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
+            return
         allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
         job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
         try:
@@ -455,6 +521,17 @@ class Engine:
         except KeyError:
             groups = (job.gid,)  # a uid with no passwd entry still runs, with its primary group
         return Identity(job.uid, job.gid, groups, drop=True)
+
+    async def _mps_env(self, allocation: Allocation) -> dict[str, str]:
+        """For a share on an `mps` device: start (or reuse) its control daemon and give the job its caps."""
+        if allocation.share is None or len(allocation.devices) != 1:
+            return {}
+        uuid = allocation.devices[0].uuid
+        if self.share_modes().get(uuid) != "mps":
+            return {}
+        daemon = await asyncio.to_thread(self.mps.ensure, uuid)
+        percent = max(1, min(100, round(allocation.share * 100)))
+        return daemon.client_env(percent, allocation.gpu_mem_mib)
 
     def _allocation_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
         """What gpusched adds to the job's environment for this allocation."""
@@ -565,6 +642,27 @@ class Engine:
                     and run_seconds(job, now) > limit:
                 self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {limit:g}s reached"))
 
+    async def _watch_gpu_memory(self) -> None:
+        """In `timeslice` mode nothing in the hardware caps memory: end a job that uses more than it asked."""
+        modes = self.share_modes()
+        watched = [j for j in self.jobs.values() if j.state is JobState.RUNNING and j.allocation is not None
+                   and j.allocation.gpu_mem_mib is not None and j.id not in self._stops
+                   and any(modes.get(u) == "timeslice" for u in j.allocation.uuids)]
+        if not watched:
+            return
+        used = await asyncio.to_thread(gpu_memory_by_job, self.backend, watched)
+        for job in watched:
+            limit = job.allocation.gpu_mem_mib if job.allocation is not None else None
+            if limit is not None and used.get(job.id, 0) > limit:
+                reason = f"gpu_mem exceeded: its processes use {used[job.id]} MiB, over its --gpu-mem of {limit} MiB"
+                self._request_stop(job, StopRequest(JobState.FAILED, reason))
+
+    def _persist_standing(self) -> None:
+        """Each user's place (lag, service) survives restarts and crashes."""
+        export = getattr(self.scheduler, "export_standing", None)
+        if callable(export):
+            self.store.set_meta("standing", json.dumps(export()))
+
     def _persist_stops(self) -> None:
         self.store.set_meta(
             "stop_requests", json.dumps({str(k): [v.final.value, v.reason] for k, v in self._stops.items()})
@@ -607,9 +705,15 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     def weight_of(self, user: str) -> float:
-        """A user's fair-share weight as the scheduler sees it (100 where it has no notion of weights)."""
-        weight = getattr(self.scheduler, "weight_of", None)
-        return float(weight(user)) if callable(weight) else 100.0
+        """A user's configured fair-share weight (by name, else by uid, else the default)."""
+        fairness = self.config.fairness
+        if user in fairness.weights:
+            return float(fairness.weights[user])
+        try:
+            uid = str(pwd.getpwnam(user).pw_uid)
+        except KeyError:
+            uid = user if user.isdigit() else ""
+        return float(fairness.weights.get(uid, fairness.default_weight))
 
     def user_name(self, uid: int) -> str:
         try:
@@ -630,6 +734,35 @@ class Engine:
         except KeyError:
             return False
         return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
+
+
+def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job]) -> dict[int, int]:
+    """MiB of GPU memory each job's processes use, per NVML (a process belongs to the job whose
+    session it is in: every job is a session leader). Blocking: run it off the loop."""
+    by_session = {j.pid: j.id for j in jobs if j.pid}
+    devices = {u for j in jobs if j.allocation is not None for u in j.allocation.uuids}
+    used: dict[int, int] = {}
+    for uuid in devices:
+        try:
+            procs = backend.processes(uuid)
+        except GpuError:
+            continue
+        for p in procs:
+            job_id = by_session.get(session_of(p.pid) or -1)
+            if job_id is not None and p.used_memory_bytes is not None:
+                used[job_id] = used.get(job_id, 0) + p.used_memory_bytes // 2**20
+    return used
+
+
+def mps_control_binary(config: DaemonConfig) -> str:
+    """The configured MPS control program; on simulated GPUs, the simulated one (gpu/simmps.py)."""
+    if config.mps_control is not None:
+        return config.mps_control
+    if config.sim:
+        from gpusched.gpu import simmps
+
+        return simmps.__file__
+    return "nvidia-cuda-mps-control"
 
 
 def _login_defaults(job: Job) -> dict[str, str]:

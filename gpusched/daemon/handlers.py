@@ -15,8 +15,8 @@ from typing import Any
 from gpusched import __version__
 from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
 from gpusched.daemon.devices import DeviceError, simulator_of
-from gpusched.daemon.doctor import run_checks, session_of
-from gpusched.daemon.engine import Engine
+from gpusched.daemon.doctor import run_checks
+from gpusched.daemon.engine import Engine, gpu_memory_by_job
 from gpusched.gpu.backend import GpuError
 from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, describe_request
 from gpusched.protocol import (
@@ -109,7 +109,13 @@ def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     if req.all:
         for job in ctx.engine.store.recent(req.limit, user=req.user):
             jobs.setdefault(job.id, job)
-    rows = [summarize(j) for _, j in sorted(jobs.items()) if req.user is None or j.user == req.user]
+    ordered = [j for _, j in sorted(jobs.items())]
+    order = getattr(ctx.engine.scheduler, "fairness_order", None)
+    if req.order == "fairness" and callable(order):
+        rank = {job_id: i for i, job_id in enumerate(order())}
+        # Active and finished jobs first (by id), then pending ones as the scheduler would start them.
+        ordered.sort(key=lambda j: (j.id in rank, rank.get(j.id, 0), j.id))
+    rows = [summarize(j) for j in ordered if req.user is None or j.user == req.user]
     return QueueResult(jobs=rows)
 
 
@@ -271,7 +277,7 @@ async def _top_snapshot(ctx: Context, seq: int, max_pending: int) -> TopSnapshot
     jobs = sorted(engine.jobs.values(), key=lambda j: j.id)
     active = [j for j in jobs if j.state in ACTIVE_STATES]
     pending = [j for j in jobs if j.state in (JobState.PENDING, JobState.HELD)]
-    memory = await asyncio.to_thread(_gpu_memory_by_job, engine, active)
+    memory = await asyncio.to_thread(gpu_memory_by_job, engine.backend, active)
     standing = engine.scheduler.export_standing() if hasattr(engine.scheduler, "export_standing") else {}
     counts: dict[str, list[int]] = {}  # user -> [running, pending, next pending job id]
     for job in jobs:
@@ -300,23 +306,6 @@ def _top_job(job: Job, gpu_mem_mib: int | None) -> TopJob:
                   request=describe_request(job.spec.request),
                   devices=job.allocation.uuids if job.allocation is not None else [],
                   submitted_at=job.submitted_at, started_at=job.started_at, gpu_mem_mib=gpu_mem_mib)
-
-
-def _gpu_memory_by_job(engine: Engine, active: list[Job]) -> dict[int, int]:
-    """MiB of GPU memory each job's processes use (NVML; processes matched by the job's session)."""
-    by_session = {j.pid: j.id for j in active if j.pid}
-    devices = {u for j in active if j.allocation is not None for u in j.allocation.uuids}
-    used: dict[int, int] = {}
-    for uuid in devices:
-        try:
-            procs = engine.backend.processes(uuid)
-        except GpuError:
-            continue
-        for p in procs:
-            job_id = by_session.get(session_of(p.pid) or -1)
-            if job_id is not None and p.used_memory_bytes is not None:
-                used[job_id] = used.get(job_id, 0) + p.used_memory_bytes // 2**20
-    return used
 
 
 def stats(ctx: Context, req: StatsRequest) -> StatsResult:

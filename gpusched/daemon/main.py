@@ -20,7 +20,9 @@ import click
 
 from gpusched import __version__
 from gpusched.config import ConfigError, DaemonConfig, load_config
-from gpusched.core.scheduler import Scheduler
+from gpusched.core.fairshare import FairnessConfig
+from gpusched.core.migplan import MigPolicy
+from gpusched.core.scheduler import Scheduler, SchedulerConfig
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
@@ -71,6 +73,22 @@ def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
     return backend, ("sim" if config.sim else "nvml")
 
 
+def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
+    """The pure core's knobs, from the TOML sections `[fairness]`, `[scheduler]` and `[mig]`."""
+    f = config.fairness
+    return SchedulerConfig(
+        fairness=FairnessConfig(
+            default_weight=f.default_weight, weights=dict(f.weights), groups=dict(f.groups),
+            group_weights=dict(f.group_weights), batch_quantum_s=f.batch_quantum_s,
+            interactive_quantum_s=f.interactive_quantum_s, lag_limit_gpu_s=f.lag_limit_gpu_s,
+        ),
+        mig=MigPolicy(min_idle_s=config.mig.min_idle_s, min_reconfig_interval_s=config.mig.min_reconfig_interval_s),
+        preempt_after_s=config.scheduler.preempt_after_s,
+        preempt_min_gain_s=config.scheduler.preempt_min_gain_s,
+        backfill=config.scheduler.backfill,
+    )
+
+
 def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:
     """The delegated cgroup subtree to put jobs in, or None and the reason there is none."""
     if config.cgroup_root == "off":
@@ -108,7 +126,7 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     cgroups, cgroup_note = open_cgroups(config)
     if cgroups is None:
         log.warning("per-job cgroups off: %s; CPU affinity only, --mem not enforced", cgroup_note)
-    engine = Engine(config, store, backend, executor, Scheduler(), cgroups=cgroups)
+    engine = Engine(config, store, backend, executor, Scheduler(scheduler_config(config)), cgroups=cgroups)
     engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
     server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)

@@ -1,4 +1,4 @@
-"""MPS control against tests/gpu/fake_mps_control.py: real processes, same stdin protocol."""
+"""MPS control against gpusched/gpu/simmps.py (the simulated control program): real processes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from gpusched.gpu.backend import GpuBusyError, GpuError
 from gpusched.gpu.mps import PID_FILE, MpsDaemon, MpsManager, _pid_alive, mps_client_env
 
-FAKE = str(Path(__file__).with_name("fake_mps_control.py"))
+FAKE = str(Path(__file__).resolve().parents[2] / "gpusched" / "gpu" / "simmps.py")
 DEV_A = "MIG-0b8c1e55-2b0e-4d7a-9d59-8b1f4f0c2a11"
 DEV_B = "GPU-e1080000-1111-2222-3333-444455556666"
 

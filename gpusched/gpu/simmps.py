@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""A fake `nvidia-cuda-mps-control` for tests: same invocation and stdin command protocol.
+"""A simulated `nvidia-cuda-mps-control`: same invocation and stdin command protocol.
+
+The daemon runs it for `mps` share-mode devices when it drives simulated GPUs (`--sim`), and the
+tests run it in place of the real binary, so the real MPS code path (gpu/mps.py) runs everywhere.
+Standard library only: it is executed directly (`#!/usr/bin/env python3`), outside the venv.
 
 `-d` daemonizes (double fork), writes nvidia-cuda-mps-control.pid into CUDA_MPS_PIPE_DIRECTORY,
 logs to CUDA_MPS_LOG_DIRECTORY/control.log and serves commands on a Unix socket in the pipe

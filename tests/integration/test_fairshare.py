@@ -1,0 +1,146 @@
+"""The fair-share scheduler inside the real daemon: users, weights, shares, MPS, dynamic MIG, standing."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from gpusched.config import GpuConfig
+from gpusched.daemon.devices import simulator_of
+from gpusched.model import JobSpec, JobState, MigRequest, ShareRequest, WholeRequest
+from gpusched.protocol import (
+    CancelRequest,
+    CancelResult,
+    GpusRequest,
+    GpusResult,
+    LogsRequest,
+    LogsResult,
+    QueueRequest,
+    QueueResult,
+    ShowRequest,
+    ShowResult,
+)
+from gpusched_cli.client import Client
+from tests.conftest import DaemonHandle, wait_until
+from tests.integration.test_daemon import spec, state_of, submit, wait_done
+from tests.integration.test_identity import as_user
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+
+
+def user_spec(*argv: str, **request: Any) -> dict[str, Any]:
+    req = ShareRequest(**request) if "fraction" in request else WholeRequest(gpus=request.get("gpus", 1))
+    s = JobSpec(argv=list(argv), cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=req)
+    return {"op": "submit", "spec": s.model_dump(mode="json")}
+
+
+def started(c: Client, job_id: int) -> bool:
+    return c.call(ShowRequest(job_id=job_id), ShowResult).job.started_at is not None
+
+
+@needs_root
+def test_a_second_user_overtakes_a_long_backlog(daemon: DaemonHandle) -> None:
+    with daemon.client() as c:
+        backlog = [submit(c, spec("sleep", "0.4")) for _ in range(16)]  # root: 16 jobs for 2 GPUs
+        replies = as_user(12345, daemon.socket, *[user_spec("sleep", "0.2") for _ in range(3)])
+        theirs = [r["result"]["job_id"] for r in replies]
+        wait_until(lambda: all(started(c, j) for j in theirs), timeout=30, what="second user's jobs started")
+        still_waiting = sum(1 for j in backlog if not started(c, j))
+        # FIFO would start them only after all 16; fair share starts them within the first rounds.
+        assert still_waiting >= 8, f"only {still_waiting} of root's jobs were still waiting"
+        c.call(CancelRequest(job_ids=backlog), CancelResult)
+        for j in theirs:
+            assert wait_done(c, j).job.state is JobState.COMPLETED
+
+
+def test_queue_by_fairness_order_and_waiting_reason(daemon_factory: Any) -> None:
+    daemon = daemon_factory(fairness={"weights": {"root": 300}})
+    with daemon.client() as c:
+        blocker = submit(c, spec("sleep", "30", gpus=2))
+        wait_until(lambda: state_of(c, blocker) is JobState.RUNNING, what="blocker")
+        batch = submit(c, spec("true", nice=5))
+        urgent = submit(c, spec("true"))
+        rows = c.call(QueueRequest(order="fairness"), QueueResult).jobs
+        assert [r.id for r in rows] == [blocker, urgent, batch]  # nice orders a user's own jobs
+        reason = c.call(ShowRequest(job_id=batch), ShowResult).waiting_reason or ""
+        assert reason and "waiting" in reason.lower()
+        c.call(CancelRequest(job_ids=[blocker, batch, urgent]), CancelResult)
+
+
+def test_mps_shares_run_side_by_side_with_caps_and_one_uid_at_a_time(daemon_factory: Any) -> None:
+    daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
+    env_cmd = "echo $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; sleep 30"
+    with daemon.client() as c:
+        share = JobSpec(argv=["sh", "-c", env_cmd], cwd="/tmp", env={"PATH": "/usr/bin:/bin"},
+                        request=ShareRequest(fraction=0.5, gpu_mem_mib=10240))
+        a, b = submit(c, share), submit(c, share)
+        wait_until(lambda: state_of(c, a) is JobState.RUNNING and state_of(c, b) is JobState.RUNNING,
+                   what="two shares co-resident")
+        wait_until(lambda: c.call(LogsRequest(job_id=a), LogsResult).data, what="output")
+        assert c.call(LogsRequest(job_id=a), LogsResult).data.strip() == "50 0=10240M"
+        job = c.call(ShowRequest(job_id=a), ShowResult).job
+        assert job.allocation is not None and job.allocation.share == 0.5
+        assert job.allocation.env["CUDA_MPS_PIPE_DIRECTORY"].startswith(daemon.state_dir)
+        third = submit(c, share)  # the GPU's compute is fully shared out
+        assert state_of(c, third) is JobState.PENDING
+        if os.geteuid() == 0:
+            [other] = as_user(12345, daemon.socket, user_spec("true", fraction=0.25, gpu_mem_mib=1024))
+            other_id = other["result"]["job_id"]
+            c.call(CancelRequest(job_ids=[third]), CancelResult)
+            c.call(CancelRequest(job_ids=[b]), CancelResult)
+            wait_done(c, b)
+            assert state_of(c, other_id) is JobState.PENDING  # root still owns the MPS server via job a
+            c.call(CancelRequest(job_ids=[a]), CancelResult)
+            assert wait_done(c, other_id).job.state is JobState.COMPLETED
+        else:
+            c.call(CancelRequest(job_ids=[a, b, third]), CancelResult)
+
+
+def test_timeslice_job_over_its_gpu_memory_is_ended(daemon_factory: Any) -> None:
+    daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="timeslice")})
+    with daemon.client() as c:
+        share = JobSpec(argv=["sleep", "30"], cwd="/tmp", env={"PATH": "/usr/bin:/bin"},
+                        request=ShareRequest(fraction=0.5, gpu_mem_mib=1024))
+        job_id = submit(c, share)
+        wait_until(lambda: state_of(c, job_id) is JobState.RUNNING, what="running")
+        job = c.call(ShowRequest(job_id=job_id), ShowResult).job
+        assert daemon.daemon is not None and job.pid is not None
+        sim = simulator_of(daemon.daemon.engine.backend)
+        assert sim is not None
+        gpu_uuid = c.call(GpusRequest(), GpusResult).gpus[0].uuid
+        sim.add_process(gpu_uuid, job.pid, 512 << 20)  # within its 1 GiB: nothing happens
+        daemon.call_in_loop(lambda: None)
+        assert state_of(c, job_id) is JobState.RUNNING
+        sim.remove_process(job.pid)
+        sim.add_process(gpu_uuid, job.pid, 3 << 30)  # now 3 GiB
+        res = wait_done(c, job_id)
+        assert res.job.state is JobState.FAILED
+        assert res.job.reason == "gpu_mem exceeded: its processes use 3072 MiB, over its --gpu-mem of 1024 MiB"
+
+
+def test_dynamic_mig_creates_the_instance_a_job_asks_for(daemon_factory: Any) -> None:
+    daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(mig="dynamic")})
+    with daemon.client() as c:
+        assert c.call(GpusRequest(), GpusResult).gpus[0].mig_enabled
+        job_id = submit(c, spec("true").model_copy(update={"request": MigRequest(profile="3g.40gb")}))
+        res = wait_done(c, job_id)
+        assert res.job.state is JobState.COMPLETED
+        profiles = [i.profile for i in c.call(GpusRequest(), GpusResult).gpus[0].instances]
+        assert "3g.40gb" in profiles
+
+
+def test_standing_survives_a_restart(daemon: DaemonHandle) -> None:
+    with daemon.client() as c:
+        job_id = submit(c, spec("sleep", "0.5", gpus=2))
+        wait_done(c, job_id)
+    assert daemon.daemon is not None
+    before = daemon.call_in_loop(lambda: daemon.daemon.engine.scheduler.export_standing())  # type: ignore[union-attr]
+    assert before["root"]["service"] > 0.5
+    daemon.restart()
+    stored = json.loads(daemon.daemon.store.get_meta("standing") or "{}")  # type: ignore[union-attr]
+    after = daemon.call_in_loop(lambda: daemon.daemon.engine.scheduler.export_standing())  # type: ignore[union-attr]
+    assert stored["root"]["service"] == pytest.approx(before["root"]["service"])
+    assert after["root"]["service"] == pytest.approx(before["root"]["service"])
