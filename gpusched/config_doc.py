@@ -100,7 +100,10 @@ def default_text(name: str, field: FieldInfo) -> str:
     if field.default is not PydanticUndefined:
         return f"`{toml_value(field.default)}`" if field.default is not None else "unset"
     if field.default_factory is not None:
-        return f"`{toml_value(field.default_factory())}`"  # type: ignore[call-arg]
+        value = field.default_factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return f"see [{type(value).__name__}](#{type(value).__name__.lower()})"
+        return f"`{toml_value(value)}`"
     root = default_paths(0, {})
     if name in root:
         user = default_paths(1000, {"XDG_RUNTIME_DIR": "$XDG_RUNTIME_DIR", "XDG_STATE_HOME": "$XDG_STATE_HOME"})

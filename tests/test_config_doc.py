@@ -51,7 +51,10 @@ def test_example_config_loads_as_shipped_with_the_defaults() -> None:
     active = tomllib.loads(text)
     for key, value in active.items():
         field = DaemonConfig.model_fields[key]
-        if field.default is not None and not field.is_required():
+        if field.default_factory is not None:  # a [section]: what it sets must be the section's defaults
+            default = field.default_factory().model_dump()  # type: ignore[call-arg]
+            assert value == {k: default[k] for k in value}, f"{EXAMPLE}: [{key}] is not the default {default!r}"
+        elif field.default is not None and not field.is_required():
             assert value == field.default, f"{EXAMPLE}: {key} = {value!r} is not the default {field.default!r}"
     assert config.socket == "/run/gpusched/gpusched.sock" and config.state_dir == "/var/lib/gpusched"
     assert config.sim is None and config.metrics_address is None  # nothing optional is switched on
