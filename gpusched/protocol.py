@@ -177,6 +177,12 @@ class StatsRequest(_Req):
     since_s: float = Field(default=3600.0, gt=0, le=366 * 86400)
 
 
+class ReloadRequest(_Req):
+    """Admin: re-read the config file (like SIGHUP); a bad file is refused and the old config kept."""
+
+    op: Literal["reload"] = "reload"
+
+
 class DoctorRequest(_Req):
     """Run the daemon's health checks (driver, MIG, foreign processes, cgroups, permissions)."""
 
@@ -208,6 +214,7 @@ Request = Annotated[
     | MigApplyRequest
     | SimInjectXidRequest
     | DoctorRequest
+    | ReloadRequest
     | StatsRequest
     | WatchRequest
     | GpusRequest
@@ -413,6 +420,11 @@ class TopSnapshot(_Res):
     events: list[Event]
 
 
+class ReloadResult(_Res):
+    changed: list[str] = Field(description="settings now in effect with their new values")
+    restart_needed: list[str] = Field(description="changed settings that take effect only after a restart")
+
+
 class DoctorCheck(_Res):
     name: str
     status: Literal["PASS", "WARN", "FAIL"]
@@ -456,6 +468,7 @@ RESULT_TYPES: dict[str, type[BaseModel]] = {
     "mig_apply": MigApplyResult,
     "sim_inject_xid": SimResult,
     "doctor": DoctorResult,
+    "reload": ReloadResult,
     "stats": StatsResult,
     "watch": TopSnapshot,
     "gpus": GpusResult,

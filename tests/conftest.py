@@ -168,12 +168,16 @@ class DaemonProcess:
     sim: str
     proc: subprocess.Popen[bytes] | None = None
     log_path: str = ""
+    extra_config: str = ""  # TOML appended to the generated config file
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(os.path.dirname(self.socket), "gpusched.toml")
 
     def start(self, *extra: str) -> DaemonProcess:
         self.log_path = os.path.join(os.path.dirname(self.socket), "daemon.log")
-        config = os.path.join(os.path.dirname(self.socket), "gpusched.toml")
-        with open(config, "w") as f:  # tests run as root: let root submit, keep time short
-            f.write('allow_root_jobs = true\nkill_grace_s = 2.0\ntick_s = 0.2\ncgroup_root = "off"\n')
+        config = self.config_path
+        self.write_config(self.extra_config)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
@@ -183,6 +187,11 @@ class DaemonProcess:
         log.close()
         wait_until(self._answers, timeout=30, what=f"gpuschedd on {self.socket}")
         return self
+
+    def write_config(self, extra: str) -> None:
+        """The generated config (tests run as root: let root submit, keep times short) plus `extra`."""
+        with open(self.config_path, "w") as f:
+            f.write('allow_root_jobs = true\nkill_grace_s = 2.0\ntick_s = 0.2\ncgroup_root = "off"\n' + extra)
 
     def _answers(self) -> bool:
         assert self.proc is not None

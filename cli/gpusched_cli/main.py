@@ -52,6 +52,8 @@ from gpusched.protocol import (
     QueueRequest,
     QueueResult,
     ReleaseRequest,
+    ReloadRequest,
+    ReloadResult,
     ResumeRequest,
     ShowRequest,
     ShowResult,
@@ -670,6 +672,27 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         click.echo(render.doctor_text(result))
     if any(c.status == "FAIL" for c in result.checks):
         ctx.exit(EXIT_ERROR)
+
+
+@cli.group()
+def admin() -> None:
+    """Administration of the daemon itself."""
+
+
+@admin.command("reload")
+@click.pass_context
+def admin_reload(ctx: click.Context) -> None:
+    """Re-read the daemon's config file (like `systemctl reload gpusched`).
+
+    Weights and quanta apply at once and nobody loses their place in the queue; settings bound to
+    resources (socket, state_dir, sim, cgroup_root, metrics address) need a restart and are listed.
+    A bad file is refused with the reason and the daemon keeps its previous configuration.
+    """
+    with _client(ctx) as client:
+        result = client.call(ReloadRequest(), ReloadResult)
+    click.echo("reloaded: " + (", ".join(result.changed) if result.changed else "no changes"))
+    if result.restart_needed:
+        click.echo("needs a restart to take effect: " + ", ".join(result.restart_needed))
 
 
 @cli.command()

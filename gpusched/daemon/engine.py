@@ -106,7 +106,7 @@ class Engine:
     async def start(self) -> None:
         """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
         await self.refresh_inventory()
-        await self._apply_static_layouts()
+        await self.apply_static_layouts()
         saved = self.store.get_meta("standing")
         load = getattr(self.scheduler, "load_standing", None)
         if saved and callable(load):
@@ -293,7 +293,7 @@ class Engine:
             self.wake()
         return change, done
 
-    async def _apply_static_layouts(self) -> None:
+    async def apply_static_layouts(self) -> None:
         """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed), and switch
         simulated GPUs configured with any MIG setting into MIG mode."""
         for key, gpu_config in sorted(self.config.gpus.items()):

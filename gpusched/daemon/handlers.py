@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpusched import __version__
+from gpusched.config import ConfigError
 from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
@@ -48,6 +49,8 @@ from gpusched.protocol import (
     QueueRequest,
     QueueResult,
     ReleaseRequest,
+    ReloadRequest,
+    ReloadResult,
     ResumeRequest,
     ShowRequest,
     ShowResult,
@@ -89,6 +92,7 @@ class Context:
     backend_name: str
     request_shutdown: Callable[[], None]
     socket_path: str = ""
+    reload: Callable[[], Awaitable[ReloadResult]] | None = None
 
 
 def hello(ctx: Context, req: HelloRequest) -> HelloResult:
@@ -332,6 +336,18 @@ def stats(ctx: Context, req: StatsRequest) -> StatsResult:
     )
 
 
+async def reload(ctx: Context, req: ReloadRequest) -> ReloadResult:
+    _require_admin(ctx, "reload the configuration")
+    if ctx.reload is None:
+        raise ProtocolError(ErrorCode.INVALID_STATE, "this daemon cannot reload its configuration")
+    try:
+        return await ctx.reload()
+    except ConfigError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"configuration not reloaded: {exc}",
+                            "fix the file and reload again; the daemon keeps running on its previous configuration"
+                            ) from None
+
+
 async def doctor(ctx: Context, req: DoctorRequest) -> DoctorResult:
     checks = await asyncio.to_thread(run_checks, ctx.engine, ctx.socket_path)
     if not ctx.admin:  # other users' pids and command lines are theirs
@@ -384,6 +400,7 @@ HANDLERS: dict[str, Handler] = {
     "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
     "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
     "doctor": doctor,
+    "reload": reload,
     "stats": stats,
     "watch": watch,
     "gpus": gpus, "shutdown": shutdown,

@@ -31,6 +31,7 @@ from gpusched.daemon.server import Server, SocketInUse
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.model import JobState
+from gpusched.protocol import ReloadResult
 
 log = logging.getLogger("gpusched")
 
@@ -56,8 +57,45 @@ class Daemon:
         """The port /metrics is bound to (the real one when metrics_address asked for port 0)."""
         return self.metrics.port if self.metrics is not None else None
 
+    loader: Callable[[], DaemonConfig] | None = None  # re-reads the config file (SIGHUP, `admin reload`)
+
     def request_stop(self) -> None:
         self.stopped.set()
+
+    async def reload(self) -> ReloadResult:
+        """Re-read the configuration and apply what can change live; keep the old one if the new is bad.
+
+        Weights and quanta take effect by rebuilding the scheduler with the saved standing, so nobody
+        loses their place. Raises ConfigError (nothing changed) for a bad file.
+        """
+        if self.loader is None:
+            raise ConfigError("this daemon was started without a config file; there is nothing to re-read")
+        new = self.loader()
+        old = self.config
+        changed = [k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)]
+        restart = [k for k in changed if k in RESTART_KEYS]
+        live = [k for k in changed if k not in RESTART_KEYS]
+        applied = new.model_copy(update={k: getattr(old, k) for k in restart})
+        engine = self.engine
+        engine.config = applied
+        self.config = applied
+        self.server.max_connections = applied.max_connections
+        engine.devices.health.auto_resume_after_s = applied.health_auto_resume_s
+        if {"fairness", "scheduler", "mig"} & set(live):
+            standing = engine.scheduler.export_standing()
+            engine.scheduler = Scheduler(scheduler_config(applied))
+            engine.scheduler.load_standing(standing)
+        if "gpus" in live:
+            await engine.apply_static_layouts()
+        engine.wake()
+        log.info("configuration reloaded: changed %s; needing a restart: %s", live or "nothing", restart or "nothing")
+        return ReloadResult(changed=live, restart_needed=restart)
+
+
+# Settings bound to resources acquired at start (the socket, the database, the driver, cgroups, the
+# metrics listener): a reload reports them and a restart applies them.
+RESTART_KEYS = frozenset({"socket", "state_dir", "sim", "cgroup_root", "metrics_address", "metrics_allow_remote",
+                          "mps_control"})
 
 
 def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
@@ -111,7 +149,8 @@ def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:
     return manager, f"per-job cgroups under {root} ({', '.join(manager.controllers) or 'no controllers'})"
 
 
-async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "") -> Daemon:
+async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "",
+                loader: Callable[[], DaemonConfig] | None = None) -> Daemon:
     """Boot every part and start serving; raises StartupError with an actionable message."""
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
@@ -148,7 +187,9 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
             raise StartupError(f"metrics_address {config.metrics_address}: cannot listen: {exc.strerror}") from None
     log.info("gpuschedd %s listening on %s (%s backend, %d GPUs)", __version__, config.socket, backend_name,
              len(engine.inventory.gpus))
-    return Daemon(config, store, engine, server, backend, stopped, metrics)
+    daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader)
+    server.reload = daemon.reload
+    return daemon
 
 
 async def stop(daemon: Daemon) -> None:
@@ -163,14 +204,16 @@ async def stop(daemon: Daemon) -> None:
 
 
 async def run(config: DaemonConfig, install_signals: bool = True,
-              on_ready: Callable[[Daemon], Awaitable[None]] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or a `shutdown` request); returns the process exit code."""
+              on_ready: Callable[[Daemon], Awaitable[None]] | None = None,
+              loader: Callable[[], DaemonConfig] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or a `shutdown` request); SIGHUP re-reads the config. Returns the exit code."""
     sd_notify("STATUS=starting: reading GPUs and recovering jobs")
-    daemon = await start(config)
+    daemon = await start(config, loader=loader)
     if install_signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_on_hup(daemon)))
     sd_notify("READY=1\nSTATUS=serving")
     heartbeat = asyncio.create_task(_systemd_heartbeat(daemon), name="gpusched-sd-notify")
     if on_ready is not None:
@@ -180,6 +223,17 @@ async def run(config: DaemonConfig, install_signals: bool = True,
     sd_notify("STOPPING=1\nSTATUS=stopping: running jobs stay with their shims")
     await stop(daemon)
     return 0
+
+
+async def _reload_on_hup(daemon: Daemon) -> None:
+    sd_notify("RELOADING=1")
+    try:
+        await daemon.reload()
+    except ConfigError as exc:
+        log.error("configuration NOT reloaded, still running on the previous one: %s", exc)
+    except Exception:
+        log.exception("configuration reload failed; still running on the previous one")
+    sd_notify("READY=1")
 
 
 async def _systemd_heartbeat(daemon: Daemon) -> None:
@@ -232,25 +286,27 @@ def cli(config_path: str | None, sim: str | None, socket_path: str | None, state
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    overrides = {"sim": sim, "socket": socket_path, "state_dir": state_dir}
     try:
-        config = load_config(config_path, {"sim": sim, "socket": socket_path, "state_dir": state_dir})
+        config = load_config(config_path, overrides)
     except ConfigError as exc:
         click.echo(f"gpuschedd: {exc}", err=True)
         sys.exit(2)
+    loader = (lambda: load_config(config_path, overrides)) if config_path is not None else None
     try:
-        code = _run_loop(config)
+        code = _run_loop(config, loader)
     except StartupError as exc:
         click.echo(f"gpuschedd: cannot start: {exc}", err=True)
         sys.exit(1)
     sys.exit(code)
 
 
-def _run_loop(config: DaemonConfig) -> int:
+def _run_loop(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency, but a plain asyncio loop is a fine fallback
-        return asyncio.run(run(config))
-    return int(uvloop.run(run(config)))
+        return asyncio.run(run(config, loader=loader))
+    return int(uvloop.run(run(config, loader=loader)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pwd
 import socket
 import stat
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from pydantic import BaseModel
@@ -27,6 +27,7 @@ from gpusched.protocol import (
     ErrorCode,
     HelloRequest,
     ProtocolError,
+    ReloadResult,
     decode_body,
     encode_frame,
     error,
@@ -78,6 +79,7 @@ class Server:
         self.backend_name = backend_name
         self.request_shutdown = request_shutdown
         self.max_connections = max_connections
+        self.reload: Callable[[], Awaitable[ReloadResult]] | None = None  # set by daemon.main.start
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._in_flight = 0
@@ -129,7 +131,7 @@ class Server:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
         user = self.engine.user_name(peer.uid)
         ctx = Context(self.engine, peer, user, self.engine.is_admin(peer.uid), self.backend_name,
-                      self.request_shutdown, self.path)
+                      self.request_shutdown, self.path, self.reload)
         greeted = False
         while not self._closing:
             try:

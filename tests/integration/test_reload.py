@@ -1,0 +1,68 @@
+"""Reloading the configuration: `gpusched admin reload` and SIGHUP, good and bad files, nothing lost."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+from click.testing import CliRunner
+
+from gpusched.model import JobState
+from gpusched.protocol import ErrorCode, ReloadRequest, ReloadResult, StatsRequest, StatsResult
+from gpusched_cli.client import Client
+from gpusched_cli.main import cli
+from tests.conftest import DaemonProcess, wait_until
+from tests.integration.test_daemon import spec, state_of, submit, wait_done
+
+
+def gs(proc: DaemonProcess, *args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, ["--socket", proc.socket, *args], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_reload_applies_weights_keeps_jobs_and_refuses_a_bad_file(
+        daemon_process: Callable[..., DaemonProcess]) -> None:
+    proc = daemon_process().start()
+    with Client(proc.socket) as c:
+        running = submit(c, spec("sleep", "30", gpus=2))
+        wait_until(lambda: state_of(c, running) is JobState.RUNNING, what="running")
+        pending = submit(c, spec("true"))
+    proc.write_config('[fairness.weights]\nroot = 400\n')
+    code, out, _ = gs(proc, "admin", "reload")
+    assert code == 0 and out.strip() == "reloaded: fairness"
+    with Client(proc.socket) as c:
+        [root] = c.call(StatsRequest(), StatsResult).users
+        assert root.weight == 400
+        assert state_of(c, running) is JobState.RUNNING and state_of(c, pending) is JobState.PENDING
+
+    proc.write_config('[fairness.weights]\nroot = 0\n')  # out of range
+    code, _, err = gs(proc, "admin", "reload")
+    assert code == 1
+    assert f"configuration not reloaded: {proc.config_path}: invalid configuration: fairness.weights" in err
+    assert "previous configuration" in err
+    proc.write_config("tick_s = [\n")  # not TOML at all: SIGHUP must not kill the daemon either
+    assert proc.proc is not None
+    proc.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "configuration NOT reloaded" in proc.log(), what="reload refused in the log")
+    assert "not valid TOML" in proc.log().split("configuration NOT reloaded")[1].splitlines()[0]
+    with Client(proc.socket) as c:
+        [root] = c.call(StatsRequest(), StatsResult).users
+        assert root.weight == 400  # still the last good configuration
+
+    # --socket on the command line still wins; a resource-bound key is reported, not applied.
+    proc.write_config('socket = "/tmp/elsewhere.sock"\nmetrics_allow_remote = true\n[fairness.weights]\nroot = 400\n')
+    with Client(proc.socket) as c:
+        result = c.call(ReloadRequest(), ReloadResult)
+        assert result.changed == [] and result.restart_needed == ["metrics_allow_remote"]
+    assert gs(proc, "cancel", str(running))[0] == 0
+    with Client(proc.socket) as c:
+        assert wait_done(c, pending).job.state is JobState.COMPLETED
+    assert proc.terminate() == 0
+
+
+def test_reload_needs_an_admin_and_a_config_file(daemon_factory: Callable[..., object]) -> None:
+    daemon = daemon_factory()
+    with Client(daemon.socket) as c:  # type: ignore[attr-defined]
+        reply = c.raw_call({"op": "reload"})
+    assert reply["ok"] is False and reply["error"]["code"] == ErrorCode.BAD_REQUEST.value
+    assert "started without a config file" in reply["error"]["message"]
