@@ -1,0 +1,320 @@
+"""Per-user fair-share accounting in the shape of EEVDF (ARCHITECTURE.md §3).
+
+Why EEVDF and not CFS: CFS couples latency to weight and forgives debt / grants sleeper credit by
+clamping to min_vruntime. EEVDF keeps *lag* (how far a user is behind the weighted average) across
+idle periods and separates "who is owed service" (eligibility) from "who goes first" (deadline).
+
+Units: service is GPU-seconds (compute fraction x wall seconds). Virtual runtime `v` grows by
+`service * 100 / weight`, so a weight-100 user's `v` is just their GPU-seconds. `V` is the
+weight-averaged `v` of *active* users (work queued or running). Lag in service units is
+`weight * (V - v) / 100`: positive means "owed", negative means "above share".
+
+GPU jobs run for hours, so a start commits much more service than a CPU slice does. We therefore
+rank on a *projected* virtual runtime `vhat = v + rate * horizon * 100 / weight` (rate = sum of the
+compute fractions the user runs now, horizon = the batch quantum): a user who just started eight
+jobs stops being eligible in the same pass, instead of taking every free GPU because their charged
+`v` has not moved yet. `vhat - v` is bounded by capacity x horizon, so long-run shares still follow
+the charged `v` alone.
+
+Pure: no clocks; callers pass service amounts and decide when to charge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+WEIGHT_MIN = 1
+WEIGHT_MAX = 10000
+NICE0_WEIGHT = 100  # cgroup cpu.weight default, = CFS NICE_0_LOAD 1024
+
+JobClassName = Literal["batch", "interactive"]
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessConfig:
+    """Fairness knobs as plain data; the daemon builds this from `[fairness]` in its TOML.
+
+    `weights` and `groups` are keyed by user name or by the numeric uid as a string ("12345");
+    the name wins when both are present. A user in a group shares the group's weight with the
+    group's other active members in proportion to their own weights (cgroup-style).
+    """
+
+    default_weight: int = NICE0_WEIGHT
+    weights: Mapping[str, int] = field(default_factory=dict)
+    groups: Mapping[str, str] = field(default_factory=dict)  # user or uid -> group name
+    group_weights: Mapping[str, int] = field(default_factory=dict)  # group -> weight (default_weight)
+    batch_quantum_s: float = 3600.0  # request length a batch job's deadline is computed with
+    interactive_quantum_s: float = 300.0  # shorter request => earlier deadline, same share
+    lag_limit_gpu_s: float = 8 * 3600.0  # |lag| kept across idle periods, GPU-seconds at weight 100
+
+    def __post_init__(self) -> None:
+        for name, w in [("default_weight", self.default_weight), *self.weights.items(),
+                        *self.group_weights.items()]:
+            if not WEIGHT_MIN <= w <= WEIGHT_MAX:
+                raise ValueError(f"weight for {name!r} must be in {WEIGHT_MIN}..{WEIGHT_MAX}, got {w}")
+        if self.batch_quantum_s <= 0 or self.interactive_quantum_s <= 0:
+            raise ValueError("quanta must be positive")
+        if self.lag_limit_gpu_s < 0:
+            raise ValueError("lag_limit_gpu_s must be >= 0")
+
+    def quantum(self, job_class: str) -> float:
+        """Request length (seconds) used for the virtual deadline of a job of this class."""
+        return self.interactive_quantum_s if job_class == "interactive" else self.batch_quantum_s
+
+
+@dataclass(slots=True)
+class _User:
+    """Mutable accounting for one user. `weight` is the effective weight (group split applied)."""
+
+    name: str
+    uid: int | None
+    base_weight: int
+    group: str | None
+    weight: float
+    v: float = 0.0
+    vlag: float = 0.0  # saved V - v while idle (clamped); 0 for a new user
+    service: float = 0.0  # GPU-seconds charged, ever
+    rate: float = 0.0  # compute fraction running now
+    active: bool = False
+
+
+class FairShare:
+    """Virtual runtimes, the weighted average V, lag and eligibility for all users.
+
+    Sums over active users are kept incrementally (O(1) per charge, join or leave) and rebuilt
+    every `_REBUILD_EVERY` updates so float drift cannot accumulate over months of replay.
+    """
+
+    _REBUILD_EVERY = 50_000
+
+    def __init__(self, config: FairnessConfig | None = None) -> None:
+        self.config = config or FairnessConfig()
+        self._users: dict[str, _User] = {}
+        self._sum_w = 0.0  # Σ w over active users
+        self._sum_wv = 0.0  # Σ w·v over active users
+        self._sum_rate = 0.0  # Σ rate over active users
+        self._v_idle = 0.0  # V when the active set last went empty: where the next joiner lands
+        self._updates = 0
+        self._group_active_w: dict[str, float] = {}  # group -> Σ base weight of active members
+
+    # ---- weights -------------------------------------------------------------------------
+    def base_weight(self, user: str, uid: int | None = None) -> int:
+        """The configured weight of a user: by name, then by uid string, then the default."""
+        w = self.config.weights.get(user)
+        if w is None and uid is not None:
+            w = self.config.weights.get(str(uid))
+        return self.config.default_weight if w is None else w
+
+    def _group_of(self, user: str, uid: int | None) -> str | None:
+        g = self.config.groups.get(user)
+        if g is None and uid is not None:
+            g = self.config.groups.get(str(uid))
+        return g
+
+    def _user(self, user: str, uid: int | None = None) -> _User:
+        u = self._users.get(user)
+        if u is None:
+            bw = self.base_weight(user, uid)
+            u = _User(user, uid, bw, self._group_of(user, uid), float(bw), v=self._V_for_new())
+            self._users[user] = u
+        elif u.uid is None and uid is not None:
+            u.uid = uid
+            u.base_weight = self.base_weight(user, uid)
+            u.group = self._group_of(user, uid)
+        return u
+
+    def _V_for_new(self) -> float:
+        return self.V() if self._sum_w > 0 else self._v_idle
+
+    def weight(self, user: str) -> float:
+        """Effective weight now (group share applied)."""
+        u = self._users.get(user)
+        return u.weight if u is not None else float(self.config.default_weight)
+
+    # ---- virtual time --------------------------------------------------------------------
+    def V(self) -> float:
+        """Weight-averaged virtual runtime of active users (the 'zero-lag' point)."""
+        return self._sum_wv / self._sum_w if self._sum_w > 0 else self._v_idle
+
+    def total_weight(self) -> float:
+        """Σ effective weight of active users (0 when nobody is active)."""
+        return self._sum_w
+
+    def Vhat(self) -> float:
+        """V over projected runtimes: V + horizon·100·Σrate/Σw."""
+        if self._sum_w <= 0:
+            return self._v_idle
+        return (self._sum_wv + self._sum_rate * self.config.batch_quantum_s * NICE0_WEIGHT) / self._sum_w
+
+    def vhat(self, user: str) -> float:
+        """Projected virtual runtime: charged v plus one horizon of what the user runs now."""
+        u = self._users[user]
+        return u.v + u.rate * self.config.batch_quantum_s * NICE0_WEIGHT / u.weight
+
+    def v(self, user: str) -> float:
+        return self._users[user].v
+
+    def lag(self, user: str) -> float:
+        """Service (GPU-seconds) the user is owed (>0) or has taken above share (<0)."""
+        u = self._users.get(user)
+        if u is None:
+            return 0.0
+        vlag = (self.V() - u.v) if u.active else u.vlag
+        return vlag * u.weight / NICE0_WEIGHT
+
+    def is_eligible(self, user: str) -> bool:
+        """EEVDF eligibility on projected runtimes: vhat <= Vhat (projected lag >= 0)."""
+        u = self._users.get(user)
+        if u is None or not u.active:
+            return True  # a joiner lands at lag 0
+        return self.vhat(user) <= self.Vhat() + 1e-9
+
+    def deadline(self, user: str, fraction: float, job_class: str) -> float:
+        """Virtual deadline of the user's next request: vhat + fraction·quantum·100/w.
+
+        The quantum is shorter for interactive jobs, so they go earlier without a larger share.
+        """
+        u = self._users[user]
+        return self.vhat(user) + fraction * self.config.quantum(job_class) * NICE0_WEIGHT / u.weight
+
+    def is_active(self, user: str) -> bool:
+        u = self._users.get(user)
+        return u is not None and u.active
+
+    def service(self, user: str) -> float:
+        u = self._users.get(user)
+        return u.service if u is not None else 0.0
+
+    def users(self) -> list[str]:
+        return list(self._users)
+
+    def active_users(self) -> list[str]:
+        return [name for name, u in self._users.items() if u.active]
+
+    # ---- membership ----------------------------------------------------------------------
+    def _lag_limit_v(self, weight: float) -> float:
+        return self.config.lag_limit_gpu_s * NICE0_WEIGHT / weight
+
+    def activate(self, user: str, uid: int | None = None) -> None:
+        """The user has work queued or running again: place them at their saved (clamped) lag.
+
+        v = V - vlag·(W + w)/W; the inflation makes the lag *after* joining equal the saved lag,
+        because joining moves V (kernel place_entity, PLACE_LAG).
+        """
+        u = self._user(user, uid)
+        if u.active:
+            return
+        self._bump()
+        if u.group is not None:
+            self._regroup(u.group, u, joining=True)
+        w = u.weight
+        if self._sum_w > 0:
+            u.v = self.V() - u.vlag * (self._sum_w + w) / self._sum_w
+        else:
+            u.v = self._v_idle - u.vlag
+        u.active = True
+        self._sum_w += w
+        self._sum_wv += w * u.v
+        self._sum_rate += u.rate
+
+    def deactivate(self, user: str) -> None:
+        """No more work queued or running: save the clamped lag so idling neither earns nor erases."""
+        u = self._users.get(user)
+        if u is None or not u.active:
+            return
+        self._bump()
+        limit = self._lag_limit_v(u.weight)
+        u.vlag = max(-limit, min(limit, self.V() - u.v))
+        self._sum_w -= u.weight
+        self._sum_wv -= u.weight * u.v
+        self._sum_rate -= u.rate
+        u.active = False
+        if self._sum_w <= 1e-12:
+            self._v_idle = u.v + u.vlag  # = V just before the last active user left
+            self._sum_w = self._sum_wv = self._sum_rate = 0.0
+        if u.group is not None:
+            self._regroup(u.group, u, joining=False)
+
+    def _regroup(self, group: str, who: _User, *, joining: bool) -> None:
+        """Split the group's weight among its active members in proportion to their own weights.
+
+        Members' v is kept as is on reweight (an approximation of kernel reweight_entity); the error
+        is bounded by one horizon of service and disappears in the long-run shares.
+        """
+        total = self._group_active_w.get(group, 0.0) + (who.base_weight if joining else -who.base_weight)
+        self._group_active_w[group] = max(total, 0.0)
+        gw = self.config.group_weights.get(group, self.config.default_weight)
+        members = [m for m in self._users.values() if m.group == group and (m.active or m is who)]
+        for m in members:
+            new_w = gw * m.base_weight / total if total > 0 else float(m.base_weight)
+            if m.active:
+                self._sum_w += new_w - m.weight
+                self._sum_wv += (new_w - m.weight) * m.v
+            m.weight = max(new_w, 1e-6)
+
+    def set_rate(self, user: str, rate: float) -> None:
+        """The compute fraction the user runs now (sum over their active jobs)."""
+        u = self._user(user)
+        if u.active:
+            self._sum_rate += rate - u.rate
+        u.rate = rate
+
+    def charge(self, user: str, service_gpu_s: float) -> None:
+        """Account `service_gpu_s` GPU-seconds: v += service·100/w."""
+        if service_gpu_s <= 0:
+            return
+        u = self._user(user)
+        dv = service_gpu_s * NICE0_WEIGHT / u.weight
+        u.v += dv
+        u.service += service_gpu_s
+        if u.active:
+            self._sum_wv += u.weight * dv
+        else:
+            # Charged while idle (a job ended between passes): it is debt all the same.
+            limit = self._lag_limit_v(u.weight)
+            u.vlag = max(-limit, u.vlag - dv)
+        self._bump()
+
+    def _bump(self) -> None:
+        self._updates += 1
+        if self._updates >= self._REBUILD_EVERY:
+            self._updates = 0
+            act = [u for u in self._users.values() if u.active]
+            self._sum_w = sum(u.weight for u in act)
+            self._sum_wv = sum(u.weight * u.v for u in act)
+            self._sum_rate = sum(u.rate for u in act)
+
+    # ---- persistence ---------------------------------------------------------------------
+    def export_standing(self) -> dict[str, dict[str, float]]:
+        """Plain data the daemon persists: per user the lag (GPU-s, clamped), v and total service.
+
+        Absolute v only matters relative to V, so `lag` is what `load_standing` restores.
+        """
+        out: dict[str, dict[str, float]] = {}
+        V = self.V()
+        for name, u in self._users.items():
+            vlag = (V - u.v) if u.active else u.vlag
+            limit = self._lag_limit_v(u.weight)
+            vlag = max(-limit, min(limit, vlag))
+            out[name] = {
+                "lag": vlag * u.weight / NICE0_WEIGHT,
+                "v": u.v,
+                "service": u.service,
+                "uid": float(u.uid) if u.uid is not None else -1.0,
+            }
+        return out
+
+    def load_standing(self, standing: Mapping[str, Mapping[str, float]]) -> None:
+        """Restore users as idle with their saved lag; they rejoin at that lag when work appears."""
+        for name, row in standing.items():
+            uid_f = row.get("uid", -1.0)
+            uid = int(uid_f) if uid_f >= 0 else None
+            if name in self._users and self._users[name].active:
+                self.deactivate(name)
+            u = self._user(name, uid)
+            u.service = float(row.get("service", 0.0))
+            u.v = float(row.get("v", 0.0))
+            limit = self._lag_limit_v(u.weight)
+            u.vlag = max(-limit, min(limit, float(row.get("lag", 0.0)) * NICE0_WEIGHT / u.weight))

@@ -1,0 +1,451 @@
+"""The policy set a trace is replayed under, the node each one gets, and the replay config file.
+
+Every policy is (a) how the node's GPUs are set up (MIG off / static MIG layouts / dynamic MIG, share
+modes), (b) how a trace request becomes a request that policy can serve (a Kubernetes device plugin
+cannot give 0.3 of a GPU, so fifo-whole rounds it up), and (c) the planner that decides. gpusched is
+the production `core.Scheduler` itself; the baselines are `core.FifoScheduler` or a small FCFS
+planner with the same `plan(snapshot, now) -> [Action]` shape, so the simulator treats all alike.
+docs/replay.md documents every choice made here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Protocol
+
+from gpusched.core.fairshare import FairnessConfig
+from gpusched.core.migplan import MigPolicy
+from gpusched.core.scheduler import Action, FailJob, FifoScheduler, Scheduler, SchedulerConfig, Snapshot, StartJob
+from gpusched.gpu.profiles import MODELS, MigProfile, get_model, place_layout, profile_by_name
+from gpusched.model import (
+    ACTIVE_STATES,
+    AllocatedDevice,
+    Allocation,
+    JobState,
+    MigRequest,
+    ShareRequest,
+    WholeRequest,
+)
+from gpusched.replay.trace import Request, TraceJob
+
+POLICIES: tuple[str, ...] = ("gpusched", "fifo-whole", "fifo-timeslice", "static-mig")
+STATIC_CLASSES: tuple[str, ...] = ("1g", "2g", "3g", "whole")
+
+
+class ReplayConfigError(ValueError):
+    """The replay config file is unusable; the message names the file, section and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Interference:
+    """How fast a job runs on what it was given (docs/replay.md, "Interference model").
+
+    A job's trace duration is its run time at speed 1: alone on what it asked for. Whole GPUs and
+    MIG instances run at speed 1. k >= 2 jobs time-sliced on one device each run at
+    (1 - timeslice_overhead) / k. MPS clients sharing a device run at 1 - mps_slowdown. A MIG
+    create or destroy keeps its GPU's changed slices busy for mig_create_s / mig_destroy_s (operations
+    on one GPU are serial), and a job started on a new instance makes no progress until it exists.
+    """
+
+    timeslice_overhead: float = 0.10
+    mps_slowdown: float = 0.0
+    mig_create_s: float = 2.0
+    mig_destroy_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.timeslice_overhead < 1 or not 0 <= self.mps_slowdown < 1:
+            raise ValueError("timeslice_overhead and mps_slowdown must be in [0, 1)")
+        if self.mig_create_s < 0 or self.mig_destroy_s < 0:
+            raise ValueError("mig_create_s and mig_destroy_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """Everything a replay can be told besides the trace: policy knobs and the interference model."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    interference: Interference = field(default_factory=Interference)
+    mig_gpus: int | None = None  # gpusched: dynamic-MIG GPUs; None = sized from the trace
+    share_mode: Literal["mps", "timeslice"] = "mps"  # gpusched: mode of the MIG-off GPUs for shares
+    mig_max_waste: float = 0.05  # gpusched: serve a flexible share with MIG if it wastes <= this
+    timeslice_replicas: int = 4  # fifo-timeslice: jobs per GPU at most
+    static_layouts: tuple[str, ...] | None = None  # static-mig: class per GPU; None = sized from trace
+
+
+_SECTIONS = {"fairness", "scheduler", "mig", "replay", "interference"}
+
+
+def load_config(path: str | None) -> ReplayConfig:
+    """Read a replay TOML (docs/replay.md, "Config file"); None gives the defaults."""
+    if path is None:
+        return ReplayConfig()
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ReplayConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ReplayConfigError(f"{path}: not valid TOML: {exc}") from None
+    return config_from_dict(data, source=path)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayConfig:
+    """Build a ReplayConfig from parsed TOML, naming `source`, section and key in every error."""
+    for key in data:
+        if key not in _SECTIONS:
+            raise ReplayConfigError(f"{source}: unknown section [{key}] (known: {', '.join(sorted(_SECTIONS))})")
+    try:
+        fair = _build(FairnessConfig, data.get("fairness", {}), "fairness", source)
+        mig = _build(MigPolicy, data.get("mig", {}), "mig", source)
+        sched_kw = dict(data.get("scheduler", {}))
+        for bad in ("fairness", "mig"):
+            if bad in sched_kw:
+                raise ReplayConfigError(f"{source}: [scheduler] {bad}: use the [{bad}] section")
+        sched = _build(SchedulerConfig, {**sched_kw, "fairness": fair, "mig": mig}, "scheduler", source)
+        interference = _build(Interference, data.get("interference", {}), "interference", source)
+        rep = dict(data.get("replay", {}))
+        mig_gpus = rep.pop("mig_gpus", "auto")
+        layouts = rep.pop("static_layouts", None)
+        cfg = _build(ReplayConfig, {**rep, "scheduler": sched, "interference": interference}, "replay", source)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ReplayConfigError):
+            raise
+        raise ReplayConfigError(f"{source}: {exc}") from None
+    if mig_gpus != "auto":
+        if not isinstance(mig_gpus, int) or isinstance(mig_gpus, bool) or mig_gpus < 0:
+            raise ReplayConfigError(f"{source}: [replay] mig_gpus must be \"auto\" or a whole number >= 0")
+        cfg = replace(cfg, mig_gpus=mig_gpus)
+    if layouts is not None:
+        if not isinstance(layouts, list) or any(x not in STATIC_CLASSES for x in layouts):
+            raise ReplayConfigError(f"{source}: [replay] static_layouts must list one of "
+                                    f"{', '.join(STATIC_CLASSES)} per GPU")
+        cfg = replace(cfg, static_layouts=tuple(layouts))
+    if not isinstance(cfg, ReplayConfig):
+        raise ReplayConfigError(f"{source}: internal error building the config")
+    if cfg.share_mode not in ("mps", "timeslice"):
+        raise ReplayConfigError(f"{source}: [replay] share_mode must be \"mps\" or \"timeslice\"")
+    if cfg.timeslice_replicas < 1:
+        raise ReplayConfigError(f"{source}: [replay] timeslice_replicas must be >= 1")
+    return cfg
+
+
+def _build(cls: Any, values: Any, section: str, source: str) -> Any:
+    if not isinstance(values, Mapping):
+        raise ReplayConfigError(f"{source}: [{section}] must be a table")
+    known = {f.name for f in fields(cls)}
+    extra = (set(values) - known) - ({"mig_gpus", "static_layouts"} if cls is ReplayConfig else set())
+    if extra:
+        shown = sorted(known - {"scheduler", "interference", "fairness", "mig"})
+        raise ReplayConfigError(f"{source}: [{section}] unknown key(s): {', '.join(sorted(extra))} "
+                                f"(known: {', '.join(shown)})")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ReplayConfigError(f"{source}: [{section}] {exc}") from None
+
+
+# ---- planners ---------------------------------------------------------------------------------
+
+class Planner(Protocol):
+    """What the simulator calls: core.Scheduler, core.FifoScheduler and TimesliceFifo all fit."""
+
+    def plan(self, snapshot: Snapshot, now: float) -> list[Action]: ...
+
+
+class TimesliceFifo:
+    """FCFS onto time-sliced GPUs: the NVIDIA device plugin with `timeSlicing.replicas`.
+
+    Each GPU takes at most `replicas` jobs, with no memory check (time-slicing has no memory
+    isolation); a job asking for N GPUs takes one replica on N different GPUs. New jobs go to the
+    least crowded GPUs. Strict FCFS: the first job that does not fit stops the pass.
+    """
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+
+    def plan(self, snapshot: Snapshot, now: float) -> list[Action]:
+        load: dict[str, int] = {g.uuid: 0 for g in snapshot.gpus if g.uuid not in snapshot.unschedulable}
+        index = {g.uuid: g.index for g in snapshot.gpus}
+        for job in snapshot.active:
+            if job.state in ACTIVE_STATES and job.allocation is not None:
+                for u in job.allocation.uuids:
+                    if u in load:
+                        load[u] += 1
+        actions: list[Action] = []
+        for job in snapshot.pending:
+            if job.state is not JobState.PENDING:
+                continue
+            need = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 1
+            if need > len(load):
+                actions.append(FailJob(job.id, f"unsatisfiable: asks for {need} GPUs, the node has {len(load)}"))
+                continue
+            free = sorted((n, index[u], u) for u, n in load.items() if n < self.replicas)
+            if len(free) < need:
+                break
+            chosen = [u for _, _, u in free[:need]]
+            for u in chosen:
+                load[u] += 1
+            frac = float(need) if isinstance(job.spec.request, WholeRequest) else _fraction(job.spec.request)
+            actions.append(StartJob(job.id, Allocation(
+                devices=[AllocatedDevice(uuid=u, gpu_index=index[u], kind="gpu") for u in chosen],
+                compute_fraction=frac), "first come, first served (time-sliced)"))
+        return actions
+
+
+def _fraction(req: MigRequest | ShareRequest) -> float:
+    if isinstance(req, ShareRequest):
+        return req.fraction
+    return int(req.profile.split("g", 1)[0]) / 7
+
+
+# ---- node set-ups -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """How the simulated GPUs start: MIG-off share modes, static layouts, scheduler-managed MIG."""
+
+    models: tuple[str, ...]
+    static_layouts: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # index -> profiles
+    dynamic: frozenset[int] = frozenset()  # MIG on, empty, changed by the scheduler
+    share_mode: str = "exclusive"  # of the MIG-off GPUs
+    timeslice: bool = False  # every GPU time-sliced (fifo-timeslice)
+    description: str = ""
+
+    @property
+    def mig_enabled(self) -> frozenset[int]:
+        return frozenset(self.static_layouts) | self.dynamic
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySetup:
+    """One policy ready to run: its node, how trace requests become its requests, and its planner."""
+
+    name: str
+    node: NodePlan
+    convert: Callable[[TraceJob], Request]
+    make_planner: Callable[[], Planner]
+    incremental: bool = False
+
+
+def parse_gpus(spec: str) -> tuple[str, ...]:
+    """`MODEL[:COUNT][,...]` (the `--sim` syntax) -> one model key per GPU index."""
+    models: list[str] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, _, count_s = part.partition(":")
+        get_model(name)
+        try:
+            count = int(count_s) if count_s else 1
+        except ValueError:
+            raise ValueError(f"bad --gpus part {part!r}: the count must be a whole number") from None
+        if not 1 <= count <= 64:
+            raise ValueError(f"bad --gpus part {part!r}: the count must be 1..64")
+        models.extend([name] * count)
+    if not models:
+        raise ValueError("empty --gpus; e.g. H100-80GB:8")
+    return tuple(models)
+
+
+def _ladder(model: str) -> dict[str, MigProfile]:
+    """The static-MIG class profiles of a model: smallest-memory 1g, 2g and 3g (no +me variants)."""
+    out: dict[str, MigProfile] = {}
+    for slices in (1, 2, 3):
+        cands = [p for p in MODELS[model].profiles if p.slices == slices and "+" not in p.name]
+        out[f"{slices}g"] = min(cands, key=lambda p: (p.memory_mib, p.profile_id))
+    return out
+
+
+def static_layout(model: str, cls: str) -> tuple[str, ...]:
+    """The fixed layout of a static-MIG class: 7x1g, 3x2g+1g, 2x3g; `whole` is MIG off (empty)."""
+    lad = _ladder(model)
+    layouts = {"1g": [lad["1g"].name] * 7, "2g": [lad["2g"].name] * 3 + [lad["1g"].name],
+               "3g": [lad["3g"].name] * 2, "whole": []}
+    names = layouts[cls]
+    place_layout(model, names)  # raises if a table ever makes the layout invalid
+    return tuple(names)
+
+
+def _fits(p: MigProfile, model: str, fraction: float, mem: int) -> bool:
+    return p.sm_count / MODELS[model].sm_count >= fraction - 1e-9 and p.memory_mib >= mem
+
+
+def _static_class(job: TraceJob, model: str) -> str:
+    """The smallest static-MIG class that gives the job at least what it asked for."""
+    req = job.request
+    if isinstance(req, WholeRequest):
+        return "whole"
+    lad = _ladder(model)
+    if isinstance(req, MigRequest):
+        try:
+            want = profile_by_name(model, req.profile)
+        except ValueError:
+            return "whole"
+        frac, mem = want.sm_count / MODELS[model].sm_count, want.memory_mib
+    else:
+        frac, mem = req.fraction, req.gpu_mem_mib
+    for cls in ("1g", "2g", "3g"):
+        if _fits(lad[cls], model, frac, mem):
+            return cls
+    return "whole"
+
+
+def _apportion(n: int, demand: Mapping[str, float]) -> dict[str, int]:
+    """Split n GPUs by demand: one per class with demand (largest first), the rest one at a time
+    to the class furthest below its proportional quota."""
+    classes = sorted((c for c, d in demand.items() if d > 0), key=lambda c: -demand[c])[:n]
+    out = dict.fromkeys(classes, 1)
+    total = sum(demand[c] for c in classes)
+    for _ in range(n - len(classes)):
+        c = max(classes, key=lambda c: demand[c] / total * n - out[c])
+        out[c] += 1
+    return out
+
+
+def _mig_for_share(job: TraceJob, model: str, max_waste: float) -> str | None:
+    """gpusched's Alibaba mapping: the smallest MIG profile giving >= the fraction and memory, if it
+    wastes at most `max_waste` of a GPU's SMs; None means serve it as an MPS share."""
+    req = job.request
+    if not isinstance(req, ShareRequest) or not job.flexible:
+        return None
+    gpu_sms = MODELS[model].sm_count
+    cands = sorted((p for p in MODELS[model].profiles if "+" not in p.name and p.slices < 7),
+                   key=lambda p: (p.sm_count, p.memory_mib))
+    for p in cands:
+        if _fits(p, model, req.fraction, req.gpu_mem_mib):
+            return p.name if p.sm_count / gpu_sms - req.fraction <= max_waste + 1e-9 else None
+    return None
+
+
+def setup(name: str, models: Sequence[str], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
+    """The named policy on a node of `models` (one per GPU), sized where needed from `jobs`."""
+    models = tuple(models)
+    if name == "gpusched":
+        return _gpusched(models, jobs, config)
+    if name == "fifo-whole":
+        node = NodePlan(models, description=f"{len(models)} whole GPUs, MIG off, exclusive")
+        return PolicySetup(name, node, _round_up, FifoScheduler)
+    if name == "fifo-timeslice":
+        node = NodePlan(models, timeslice=True,
+                        description=f"{len(models)} GPUs time-sliced, <= {config.timeslice_replicas} jobs each")
+        return PolicySetup(name, node, _keep, lambda: TimesliceFifo(config.timeslice_replicas))
+    if name == "static-mig":
+        return _static_mig(models, jobs, config)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or all")
+
+
+def _round_up(job: TraceJob) -> Request:
+    """fifo-whole: the device plugin hands out whole GPUs only; a share or MIG ask gets one GPU."""
+    req = job.request
+    return req if isinstance(req, WholeRequest) else WholeRequest(gpus=1)
+
+
+def _keep(job: TraceJob) -> Request:
+    return job.request
+
+
+def _static_mig(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
+    model = models[-1]
+    if config.static_layouts is not None:
+        if len(config.static_layouts) != len(models):
+            raise ReplayConfigError(f"[replay] static_layouts lists {len(config.static_layouts)} GPUs, "
+                                    f"the node has {len(models)}")
+        classes = list(config.static_layouts)
+    else:
+        per_gpu = {"1g": 1 / 7, "2g": 1 / 3, "3g": 1 / 2}
+        demand: dict[str, float] = dict.fromkeys(STATIC_CLASSES, 0.0)
+        for j in jobs:
+            cls = _static_class(j, model)
+            units = float(j.request.gpus) if isinstance(j.request, WholeRequest) else per_gpu.get(cls, 1.0)
+            demand[cls] += units * j.duration_s
+        counts = _apportion(len(models), demand) if any(demand.values()) else {"whole": len(models)}
+        # Whole GPUs first (lowest indices), then the layouts from large to small slices.
+        classes = [c for c in ("whole", "3g", "2g", "1g") for _ in range(counts.get(c, 0))]
+    layouts = {i: static_layout(models[i], c) for i, c in enumerate(classes) if c != "whole"}
+    offered = {c for c in classes}
+
+    def convert(job: TraceJob) -> Request:
+        req = job.request
+        if isinstance(req, WholeRequest):
+            return req
+        cls = _static_class(job, model)
+        order = ["1g", "2g", "3g", "whole"]
+        for c in order[order.index(cls):]:
+            if c in offered:
+                return WholeRequest(gpus=1) if c == "whole" else MigRequest(profile=_ladder(model)[c].name)
+        return MigRequest(profile=_ladder(model)[cls].name)
+
+    desc = ", ".join(f"{classes.count(c)} x {c if c == 'whole' else '/'.join(static_layout(model, c))}"
+                     for c in ("whole", "3g", "2g", "1g") if c in offered)
+    node = NodePlan(models, static_layouts=layouts, description=f"static MIG: {desc}")
+    return PolicySetup("static-mig", node, convert, FifoScheduler)
+
+
+def _gpusched(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
+    n = len(models)
+    model = models[-1]
+    mig_units = 0.0
+    total = 0.0
+    explicit_mig = False
+    max_whole = 0
+    others = False
+    for j in jobs:
+        prof = _mig_for_share(j, model, config.mig_max_waste)
+        if isinstance(j.request, MigRequest):
+            explicit_mig = True
+            mig_units += j.gpu_demand * j.duration_s
+        elif prof is not None:
+            mig_units += profile_by_name(model, prof).slices / 7 * j.duration_s
+        else:
+            others = True
+            if isinstance(j.request, WholeRequest):
+                max_whole = max(max_whole, j.request.gpus)
+        total += j.gpu_demand * j.duration_s
+    note = ""
+    if config.mig_gpus is not None:
+        m = min(config.mig_gpus, n)
+        note = "set by config"
+    else:
+        m = round(n * mig_units / total) if total > 0 else 0
+        if mig_units > 0:
+            m = max(m, 1)
+        if others:
+            m = min(m, n - 1)
+        if explicit_mig:
+            m = max(m, 1)
+            note = "sized from MIG demand"
+        elif m > n - max_whole:
+            note = f"capped so {max_whole}-GPU jobs still fit"
+            m = max(0, n - max_whole)
+        else:
+            note = "sized from MIG-servable demand"
+    dynamic = frozenset(range(n - m, n))
+    use_mig = bool(dynamic)
+
+    def convert(job: TraceJob) -> Request:
+        if use_mig:
+            prof = _mig_for_share(job, model, config.mig_max_waste)
+            if prof is not None:
+                return MigRequest(profile=prof)
+        return job.request
+
+    weights = dict(config.scheduler.fairness.weights)
+    for j in jobs:  # trace weights, unless the config names the user
+        if j.weight is not None and j.user not in weights:
+            weights[j.user] = j.weight
+    sched_cfg = replace(config.scheduler, fairness=replace(config.scheduler.fairness, weights=weights))
+    desc = (f"{n - m} MIG-off GPUs ({config.share_mode} shares), {m} dynamic-MIG GPUs ({note})")
+    node = NodePlan(models, dynamic=dynamic, share_mode=config.share_mode, description=desc)
+    return PolicySetup("gpusched", node, convert, lambda: Scheduler(sched_cfg, incremental=True), incremental=True)
+
+
+def user_weights(jobs: Sequence[TraceJob], config: ReplayConfig) -> dict[str, float]:
+    """Weight of every user for the fairness figures: config, then the trace, then the default."""
+    fair = config.scheduler.fairness
+    out: dict[str, float] = {}
+    for j in jobs:
+        if j.user in out:
+            continue
+        w = fair.weights.get(j.user, j.weight if j.weight is not None else fair.default_weight)
+        out[j.user] = float(w)
+    return out

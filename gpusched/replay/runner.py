@@ -1,0 +1,98 @@
+"""One call from a trace file to figures for every policy: what `gpusched replay` runs.
+
+Kept apart from the CLI so tests and notebooks can replay without click, and so the client imports
+none of this until the `replay` command actually runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpusched.gpu.profiles import MODELS
+from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
+from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
+from gpusched.replay.sim import SimResult, run_policy
+from gpusched.replay.trace import Trace, load_trace
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """The parsed trace, each policy's raw result and its summary (in the order run)."""
+
+    trace: Trace
+    gpus: str
+    results: list[SimResult] = field(default_factory=list)
+    summaries: list[Summary] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def resolve_policies(name: str) -> list[str]:
+    """`all` or one policy name -> the list to run; ValueError names the valid choices."""
+    if name == "all":
+        return list(POLICIES)
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or all")
+    return [name]
+
+
+def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto", config_path: str | None = None,
+               policies: Sequence[str] = POLICIES, load: float | None = None, users: int = 16, seed: int = 1,
+               config: ReplayConfig | None = None, limit: int | None = None) -> ReplayReport:
+    """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input."""
+    began = time.perf_counter()
+    models = parse_gpus(gpus)
+    cfg = config if config is not None else load_config(config_path)
+    memory = min(MODELS[m].memory_mib for m in models)
+    trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
+                       seed=seed, limit=limit)
+    if not trace.jobs:
+        raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
+    report = ReplayReport(trace, gpus)
+    weights = user_weights(trace.jobs, cfg)
+    for name in policies:
+        pol = setup(name, models, trace.jobs, cfg)
+        result = run_policy(pol, trace.jobs, cfg.interference)
+        report.results.append(result)
+        report.summaries.append(summarize(result, weights, trace.skipped_total))
+    report.wall_s = time.perf_counter() - began
+    return report
+
+
+_FORMATS = {"utilization": "{:.3f}", "jain_index": "{:.3f}", "share_error_max": "{:.3f}",
+            "decision_us_mean": "{:.1f}"}
+
+
+def render_table(report: ReplayReport) -> str:
+    """Policies side by side, one figure per row, then each policy's node and anything that went wrong."""
+    names = [str(s["policy"]) for s in report.summaries]
+    rows: list[list[str]] = [["", *names]]
+    for key in JSON_KEYS[1:]:
+        fmt = _FORMATS.get(key, "{:.1f}")
+        cells = []
+        for s in report.summaries:
+            row: Mapping[str, object] = s
+            v = row[key]
+            cells.append(str(v) if isinstance(v, int) else fmt.format(v))
+        rows.append([key, *cells])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
+    t = report.trace
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(t.skipped.items())) or "none"
+    head = [f"trace {t.path} ({t.format}): {len(t.jobs)} jobs, {len(t.users())} users; rows skipped: {skipped}"]
+    if t.time_scale != 1.0:
+        head.append(f"arrival times scaled by {t.time_scale:.4g} to reach the requested load")
+    head.append(f"node {report.gpus}")
+    tail = []
+    for r in report.results:
+        extra = []
+        if r.unsatisfiable:
+            extra.append(f"{r.unsatisfiable} jobs it can never run")
+        if r.stuck:
+            extra.append(f"{r.stuck} jobs never started")
+        if r.mig_errors:
+            extra.append(f"{len(r.mig_errors)} MIG operations refused by the driver")
+        tail.append(f"  {r.policy}: {r.node}; replayed in {r.wall_s:.1f} s"
+                    + (f"; {'; '.join(extra)}" if extra else ""))
+    return "\n".join([*head, "", *lines, "", "policies:", *tail, f"total wall time {report.wall_s:.1f} s"])

@@ -1,0 +1,426 @@
+"""The replay event loop: a virtual clock, arrivals, completions, and actions applied to simulated GPUs.
+
+It plays the daemon's engine without processes or sockets: it builds a `Snapshot`, calls the
+policy's `plan(snapshot, now)`, and applies the actions the way docs/scheduling.md says the engine
+must (in list order; after MIG changes or preemptions it plans again at once). MIG instances are
+created and destroyed through the real `NvmlBackend` over `SimNVML`, so every layout obeys the
+driver's placement rules and a busy instance cannot be destroyed (each job on a MIG instance is a
+simulated process there). Jobs are `gpusched.model.Job`s with full histories, so `core.accounting`
+measures replays exactly as it measures the daemon.
+
+Time moves only from event to event. Policies whose decisions depend on elapsed time (MIG
+hysteresis, preemption thresholds) get wake-up events exactly when those timers can expire, instead
+of a periodic tick that would cost a plan per simulated minute over months of trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpusched.core.scheduler import (
+    Action,
+    CreateInstance,
+    DestroyInstance,
+    FailJob,
+    PreemptJob,
+    Scheduler,
+    Snapshot,
+    StartJob,
+)
+from gpusched.gpu.backend import Gpu, GpuError
+from gpusched.gpu.nvml import NvmlBackend
+from gpusched.gpu.profiles import place_layout
+from gpusched.gpu.simnvml import SimNVML
+from gpusched.model import Allocation, Job, JobSpec, JobState, MigRequest, Transition
+from gpusched.replay.policies import Interference, Planner, PolicySetup
+from gpusched.replay.trace import TraceJob
+
+_END, _READY, _ARRIVAL, _WAKE = 0, 1, 2, 3
+_EPS = 1e-9
+_MAX_ROUNDS = 5  # plans at one instant (after MIG changes / preemptions), as the engine does
+_PID_BASE = 100_000  # simulated process ids for jobs on MIG instances
+
+
+Segment = tuple[float, float, float]  # (from, to, allocated compute fraction of a GPU)
+
+
+@dataclass(slots=True)
+class _Run:
+    """A job holding devices: progress (seconds of work at speed 1), speed, and its device groups."""
+
+    job_id: int
+    work_left: float
+    deadline: float  # start + time limit, inf without one
+    ready_at: float  # makes no progress before this (its MIG instance is being created)
+    since: float
+    speed: float = 1.0
+    frac: float = 0.0
+    seg_start: float = 0.0
+    version: int = 0
+    groups: tuple[str, ...] = ()  # interference groups it belongs to
+    dyn_frac: bool = False  # time-sliced whole GPUs: its share of the GPU changes with co-residents
+    pid: int | None = None
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Everything the metrics need from one policy's run."""
+
+    policy: str
+    node: str
+    jobs: list[Job]
+    segments: dict[int, list[Segment]]
+    capacity_gpus: float
+    plan_us: list[float]
+    mig_reconfigurations: int
+    mig_errors: list[str]
+    unsatisfiable: int
+    stuck: int  # jobs still pending when nothing was left to happen (a policy that can never run them)
+    start: float
+    end: float
+    wall_s: float
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (time, allocated GPUs)
+
+
+class Simulator:
+    """One policy over one trace. `run()` returns a SimResult; the object is single-use."""
+
+    def __init__(self, policy: PolicySetup, jobs: Sequence[TraceJob], interference: Interference) -> None:
+        self.policy = policy
+        self.trace = list(jobs)
+        self.inter = interference
+        node = policy.node
+        self.sim = SimNVML(list(node.models), seed=0)
+        self.backend = NvmlBackend(self.sim)
+        for index in sorted(node.mig_enabled):
+            self.backend.set_mig_mode(index, True)
+        for index, layout in node.static_layouts.items():
+            for profile, start in place_layout(node.models[index], list(layout)):
+                self.backend.create_instance(index, profile, start)
+        self.gpus: tuple[Gpu, ...] = self.backend.inventory().gpus
+        self.share_modes: dict[str, str] = {}
+        if node.share_mode != "exclusive":
+            self.share_modes = {g.uuid: node.share_mode for g in self.gpus if not g.mig_enabled}
+        self.planner: Planner = policy.make_planner()
+        self.now = 0.0
+        self.jobs: dict[int, Job] = {}
+        self.pending: dict[int, Job] = {}
+        self.active: dict[int, Job] = {}
+        self.runs: dict[int, _Run] = {}
+        self.durations: dict[int, float] = {}
+        self.segments: dict[int, list[Segment]] = {}
+        self.groups: dict[str, set[int]] = {}
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.seq = itertools.count()
+        self.plan_us: list[float] = []
+        self.reconfigs = 0
+        self.mig_errors: list[str] = []
+        self.unsatisfiable = 0
+        self.ready_at: dict[str, float] = {}  # MIG uuid -> when it exists
+        self.busy_until: dict[int, float] = {}  # GPU index -> end of its MIG operations
+        self.idle_since: dict[str, float] = {}  # MIG uuid -> idle since (for wake-ups)
+        self.last_change: dict[int, float] = {}
+        self.wakes: set[float] = set()
+        self.timeline: list[tuple[float, float]] = []
+        self.allocated = 0.0
+        self.uids: dict[str, int] = {}
+
+    # ---- building jobs ---------------------------------------------------------------------------
+    def _make_job(self, jid: int, tj: TraceJob) -> Job:
+        uid = self.uids.setdefault(tj.user, 20000 + len(self.uids))
+        spec = JobSpec(argv=["replay", tj.name], cwd="/", request=self.policy.convert(tj), name=tj.name[:128],
+                       time_limit_s=tj.time_limit_s, job_class=tj.job_class, requeue=tj.requeue,
+                       precision=tj.precision)
+        return Job(id=jid, uid=uid, gid=uid, user=tj.user, spec=spec, state=JobState.PENDING,
+                   submitted_at=tj.submit_s, history=[Transition(state=JobState.PENDING, at=tj.submit_s,
+                                                                 reason="submitted")])
+
+    def _set(self, job: Job, state: JobState, reason: str, **update: object) -> Job:
+        new = job.model_copy(update={"state": state, "history": [*job.history, Transition(
+            state=state, at=self.now, reason=reason)], **update})
+        self.jobs[job.id] = new
+        return new
+
+    def _push(self, at: float, kind: int, a: int = 0, b: int = 0) -> None:
+        heapq.heappush(self.events, (at, kind, next(self.seq), a, b))
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        began = time.perf_counter()
+        for i, tj in enumerate(self.trace):
+            self._push(tj.submit_s, _ARRIVAL, i)
+        start = self.trace[0].submit_s if self.trace else 0.0
+        self.now = start
+        self._mark()
+        while self.events:
+            t = self.events[0][0]
+            self.now = t
+            while self.events and self.events[0][0] <= t:
+                _, kind, _, a, b = heapq.heappop(self.events)
+                if kind == _ARRIVAL:
+                    self._arrive(a)
+                elif kind == _END:
+                    self._end(a, b)
+                elif kind == _READY:
+                    self._ready(a, b)
+                else:
+                    self.wakes.discard(t)
+            self._plan()
+        end = max((j.ended_at for j in self.jobs.values() if j.ended_at is not None), default=start)
+        for jid, run in list(self.runs.items()):  # only if something could never finish
+            self._close_segment(run)
+            del self.runs[jid]
+        return SimResult(
+            policy=self.policy.name, node=self.policy.node.description, jobs=list(self.jobs.values()),
+            segments=self.segments, capacity_gpus=float(len(self.gpus)), plan_us=self.plan_us,
+            mig_reconfigurations=self.reconfigs, mig_errors=self.mig_errors, unsatisfiable=self.unsatisfiable,
+            stuck=len(self.pending), start=start, end=end, wall_s=time.perf_counter() - began, timeline=self.timeline)
+
+    def _arrive(self, index: int) -> None:
+        tj = self.trace[index]
+        jid = index + 1
+        job = self._make_job(jid, tj)
+        self.jobs[jid] = job
+        self.pending[jid] = job
+        self.durations[jid] = tj.duration_s
+        if self.policy.incremental and isinstance(self.planner, Scheduler):
+            self.planner.submit(job)
+
+    def _snapshot(self) -> Snapshot:
+        pending = () if self.policy.incremental else tuple(self.pending.values())
+        return Snapshot(gpus=self.gpus, pending=pending, active=tuple(self.active.values()),
+                        share_modes=self.share_modes, dynamic=self.policy.node.dynamic)
+
+    def _plan(self) -> None:
+        for _ in range(_MAX_ROUNDS):
+            if not self.pending and not isinstance(self.planner, Scheduler):
+                break
+            snap = self._snapshot()
+            t0 = time.perf_counter()
+            actions = self.planner.plan(snap, self.now)
+            self.plan_us.append((time.perf_counter() - t0) * 1e6)
+            again = False
+            changed = False
+            for action in actions:
+                if isinstance(action, (CreateInstance, DestroyInstance)):
+                    changed |= self._mig(action)
+                    again = True
+                elif isinstance(action, PreemptJob):
+                    self._preempt(action)
+                    again = True
+                else:
+                    self._apply(action)
+            if changed:
+                self.gpus = self.backend.inventory().gpus
+            if not again:
+                break
+        self._schedule_wakes()
+        self._mark()
+
+    def _mark(self) -> None:
+        """Record total allocated GPUs for the utilization-over-time plot (only when it changed)."""
+        if not self.timeline or abs(self.timeline[-1][1] - self.allocated) > 1e-9:
+            self.timeline.append((self.now, self.allocated))
+
+    # ---- actions ---------------------------------------------------------------------------------
+    def _apply(self, action: Action) -> None:
+        if isinstance(action, StartJob):
+            self._start(action)
+        elif isinstance(action, FailJob):
+            job = self.pending.pop(action.job_id, None)
+            if job is not None:
+                self._set(job, JobState.FAILED, action.reason, ended_at=self.now)
+                self.unsatisfiable += 1
+
+    def _start(self, action: StartJob) -> None:
+        job = self.pending.pop(action.job_id, None)
+        if job is None:
+            return
+        alloc = action.allocation
+        job = self._set(job, JobState.STARTING, action.reason, allocation=alloc, started_at=self.now)
+        ready = max([self.ready_at.get(u, self.now) for u in alloc.uuids] + [self.now])
+        limit = job.spec.time_limit_s
+        run = _Run(job.id, self.durations[job.id], self.now + limit if limit else math.inf, ready, self.now,
+                   frac=alloc.compute_fraction, seg_start=self.now)
+        mig = [d.uuid for d in alloc.devices if d.kind == "mig"]
+        if mig:
+            run.pid = _PID_BASE + job.id
+            self.sim.add_process(mig[0], run.pid, None)
+            for u in mig:
+                self.idle_since.pop(u, None)
+        run.groups, run.dyn_frac = self._groups_of(job, alloc)
+        if ready <= self.now:
+            job = self._set(job, JobState.RUNNING, "started")
+        else:
+            self._push(ready, _READY, job.id)
+        self.active[job.id] = job
+        self.runs[job.id] = run
+        self.segments.setdefault(job.id, [])
+        self.allocated += run.frac
+        for g in run.groups:
+            self.groups.setdefault(g, set()).add(job.id)
+        self._regroup(run.groups, also=run)
+
+    def _groups_of(self, job: Job, alloc: Allocation) -> tuple[tuple[str, ...], bool]:
+        """Interference groups: time-sliced GPUs, or the MPS / time-slice device a share sits on."""
+        if self.policy.node.timeslice:
+            return tuple(f"ts:{u}" for u in alloc.uuids), True
+        if alloc.share is not None:
+            mode = self.share_modes.get(alloc.uuids[0], "mps")
+            return tuple(f"{'ts' if mode == 'timeslice' else 'mps'}:{u}" for u in alloc.uuids), False
+        return (), False
+
+    def _ready(self, jid: int, _: int) -> None:
+        job = self.active.get(jid)
+        if job is not None and job.state is JobState.STARTING:
+            self.active[jid] = self._set(job, JobState.RUNNING, "MIG instance ready")
+
+    def _mig(self, action: CreateInstance | DestroyInstance) -> bool:
+        """Apply a MIG change through NVML (simulated); the GPU's changed slices are busy meanwhile."""
+        try:
+            if isinstance(action, CreateInstance):
+                inst = self.backend.create_instance(action.gpu_index, action.profile, action.start)
+                g = action.gpu_index
+                done = max(self.busy_until.get(g, self.now), self.now) + self.inter.mig_create_s
+                self.ready_at[inst.uuid] = done
+                self.idle_since[inst.uuid] = self.now
+            else:
+                g = next((gpu.index for gpu in self.gpus for i in gpu.instances if i.uuid == action.uuid), -1)
+                self.backend.destroy_instance(action.uuid)
+                done = max(self.busy_until.get(g, self.now), self.now) + self.inter.mig_destroy_s
+                self.ready_at.pop(action.uuid, None)
+                self.idle_since.pop(action.uuid, None)
+        except GpuError as exc:
+            self.mig_errors.append(f"t={self.now:.0f}: {action}: {exc.message}")
+            return False
+        self.busy_until[g] = done
+        self.last_change[g] = self.now
+        self.reconfigs += 1
+        return True
+
+    def _preempt(self, action: PreemptJob) -> None:
+        job = self.active.get(action.job_id)
+        if job is None or not job.spec.requeue:
+            return
+        self._release(job.id)
+        job = self._set(job, JobState.PREEMPTED, action.reason, ended_at=self.now)
+        job = self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, started_at=None,
+                        ended_at=None)
+        self.pending[job.id] = job
+        if self.policy.incremental and isinstance(self.planner, Scheduler):
+            self.planner.submit(job)
+
+    # ---- progress --------------------------------------------------------------------------------
+    def _advance(self, run: _Run) -> None:
+        since = max(run.since, run.ready_at)
+        if self.now > since:
+            run.work_left = max(0.0, run.work_left - run.speed * (self.now - since))
+        run.since = max(run.since, self.now)
+
+    def _speed_frac(self, run: _Run) -> tuple[float, float]:
+        speed = 1.0
+        fracs: list[float] = []
+        for g in run.groups:
+            k = len(self.groups.get(g, ()))
+            if g.startswith("ts:"):
+                if k >= 2:
+                    speed = min(speed, (1 - self.inter.timeslice_overhead) / k)
+                fracs.append(1.0 / max(k, 1))
+            elif k >= 2:
+                speed = min(speed, 1 - self.inter.mps_slowdown)
+        frac = sum(fracs) if run.dyn_frac else run.frac
+        return speed, frac
+
+    def _close_segment(self, run: _Run) -> None:
+        if self.now > run.seg_start:
+            self.segments[run.job_id].append((run.seg_start, self.now, run.frac))
+        run.seg_start = self.now
+
+    def _regroup(self, groups: tuple[str, ...], also: _Run | None = None) -> None:
+        """Co-residents changed: bring their progress to now, then new speeds and end events."""
+        affected = {jid for g in groups for jid in self.groups.get(g, ())}
+        if also is not None:
+            affected.add(also.job_id)
+        for jid in sorted(affected):
+            run = self.runs.get(jid)
+            if run is None:
+                continue
+            self._advance(run)
+            speed, frac = self._speed_frac(run)
+            if frac != run.frac:
+                self._close_segment(run)
+                self.allocated += frac - run.frac
+                run.frac = frac
+            run.speed = speed
+            run.version += 1
+            finish = max(self.now, run.ready_at) + (run.work_left / speed if speed > 0 else math.inf)
+            self._push(min(finish, run.deadline), _END, jid, run.version)
+
+    def _release(self, jid: int) -> Job:
+        run = self.runs.pop(jid)
+        self._advance(run)
+        self._close_segment(run)
+        self.allocated -= run.frac
+        job = self.active.pop(jid)
+        if run.pid is not None:
+            self.sim.remove_process(run.pid)
+            assert job.allocation is not None
+            for d in job.allocation.devices:
+                if d.kind == "mig":
+                    self.idle_since[d.uuid] = self.now
+        for g in run.groups:
+            self.groups[g].discard(jid)
+        self._regroup(run.groups)
+        return job
+
+    def _end(self, jid: int, version: int) -> None:
+        run = self.runs.get(jid)
+        if run is None or run.version != version:
+            return
+        self._advance(run)
+        timeout = run.work_left > 1e-6 and self.now >= run.deadline - _EPS
+        if not timeout and run.work_left > 1e-6:  # float slack: finish the last sliver
+            finish = self.now + run.work_left / run.speed
+            if finish - self.now > 1e-6:
+                run.version += 1
+                self._push(finish, _END, jid, run.version)
+                return
+        job = self._release(jid)
+        if timeout:
+            self._set(job, JobState.TIMEOUT, "time limit reached", ended_at=self.now)
+        else:
+            self._set(job, JobState.COMPLETED, "exited 0", ended_at=self.now, exit_code=0)
+
+    # ---- timers ----------------------------------------------------------------------------------
+    def _schedule_wakes(self) -> None:
+        """Wake the scheduler when a timer it waits on can expire (nothing else would call plan)."""
+        if not isinstance(self.planner, Scheduler) or not self.pending:
+            return
+        cfg = self.planner.config
+        times: list[float] = []
+        if self.policy.node.dynamic and any(isinstance(j.spec.request, MigRequest) for j in self.pending.values()):
+            times += [t + cfg.mig.min_idle_s for t in self.idle_since.values()]
+            times += [t + cfg.mig.min_reconfig_interval_s for t in self.last_change.values()]
+        if cfg.preempt_after_s is not None and any(j.spec.requeue for j in self.active.values()):
+            times += [self._pending_since(j) + cfg.preempt_after_s for j in self.pending.values()]
+            times += [j.started_at + cfg.preempt_min_run_s for j in self.active.values()
+                      if j.spec.requeue and j.started_at is not None]
+        for t in times:
+            t += 1e-3
+            if t > self.now and t not in self.wakes:
+                self.wakes.add(t)
+                self._push(t, _WAKE)
+
+    @staticmethod
+    def _pending_since(job: Job) -> float:
+        return job.history[-1].at if job.history else job.submitted_at
+
+
+def run_policy(policy: PolicySetup, jobs: Sequence[TraceJob], interference: Interference) -> SimResult:
+    """Replay `jobs` under `policy` and return what happened."""
+    return Simulator(policy, jobs, interference).run()

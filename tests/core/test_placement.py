@@ -1,0 +1,140 @@
+"""Placement: whole/NUMA, MIG best fit, MPS/timeslice shares, precision affinity, satisfiability."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpusched.core.placement import Cluster, unsatisfiable_reason
+from gpusched.model import ShareRequest, WholeRequest
+
+from .helpers import gpu, instance, job
+
+
+def test_whole_gpus_prefer_one_numa_node_best_fit() -> None:
+    gpus = [gpu(i, numa=0 if i < 4 else 1) for i in range(8)]
+    c = Cluster.build(gpus, [])
+    first = c.place(job(99, gpus=1))
+    assert first is not None
+    c.commit(job(99), first)  # node 0 now has 3 free
+    alloc = c.place(job(1, gpus=2))
+    assert alloc is not None
+    assert {d.gpu_index for d in alloc.devices} <= {0, 1, 2, 3}  # fewest-free node that fits
+    alloc4 = c.place(job(2, gpus=4))
+    assert alloc4 is not None and {d.gpu_index for d in alloc4.devices} == {4, 5, 6, 7}
+
+
+def test_whole_spans_nodes_when_no_node_has_enough() -> None:
+    gpus = [gpu(i, numa=i // 2) for i in range(4)]
+    alloc = Cluster.build(gpus, []).place(job(1, gpus=3))
+    assert alloc is not None and len(alloc.devices) == 3 and alloc.compute_fraction == 3.0
+
+
+def test_mig_best_fit_prefers_the_fuller_gpu() -> None:
+    a = (instance(0, "3g.40gb", 0), instance(0, "3g.40gb", 4))
+    b = (instance(1, "3g.40gb", 0), instance(1, "3g.40gb", 4))
+    gpus = [gpu(0, mig=True, instances=a), gpu(1, mig=True, instances=b)]
+    holder = job(9, mig="3g.40gb")
+    c = Cluster.build(gpus, [])
+    first = c.place(holder)
+    assert first is not None
+    c.commit(holder, first)
+    second = c.place(job(1, mig="3g.40gb"))
+    assert second is not None and second.devices[0].gpu_index == first.devices[0].gpu_index
+    assert second.compute_fraction == 60 / 132
+
+
+def test_precision_affinity_keeps_classes_apart() -> None:
+    gpus = [gpu(0), gpu(1)]
+    modes = {"GPU-0000": "timeslice", "GPU-0001": "timeslice"}
+    c = Cluster.build(gpus, [], share_modes=modes)
+    half = job(1, share=0.25, precision="bf16")
+    a1 = c.place(half)
+    assert a1 is not None
+    c.commit(half, a1)
+    full = job(2, share=0.25, precision="fp32")
+    a2 = c.place(full)
+    assert a2 is not None and a2.devices[0].uuid != a1.devices[0].uuid
+    assert a2.env == {"NVIDIA_TF32_OVERRIDE": "0"}
+    half2 = job(3, share=0.25, precision="fp16")
+    a3 = c.place(half2)
+    assert a3 is not None and a3.devices[0].uuid == a1.devices[0].uuid  # packs with its own class
+
+
+def test_mps_device_serves_one_uid_at_a_time() -> None:
+    c = Cluster.build([gpu(0)], [], share_modes={"GPU-0000": "mps"})
+    a = job(1, "alice", share=0.5)
+    alloc = c.place(a)
+    assert alloc is not None and alloc.share == 0.5 and alloc.compute_fraction == 0.5
+    c.commit(a, alloc)
+    assert c.place(job(2, "bob", share=0.1)) is None
+    assert c.place(job(3, "alice", share=0.5)) is not None
+    assert c.place(job(4, "alice", share=0.6)) is None  # fraction would exceed 1
+    c.release(1)
+    assert c.place(job(2, "bob", share=0.1)) is not None  # idle server: any uid
+
+
+def test_share_memory_is_accounted() -> None:
+    c = Cluster.build([gpu(0)], [], share_modes={"GPU-0000": "timeslice"})
+    big = job(1, share=0.1, mem=80_000)
+    alloc = c.place(big)
+    assert alloc is not None
+    c.commit(big, alloc)
+    assert c.place(job(2, "bob", share=0.1, mem=2000)) is None
+    assert c.place(job(3, "bob", share=0.1, mem=1000)) is not None
+
+
+def test_exclusive_device_gets_no_shares_and_whole_avoids_share_devices() -> None:
+    gpus = [gpu(0), gpu(1)]
+    c = Cluster.build(gpus, [], share_modes={"GPU-0000": "mps"})
+    alloc = c.place(job(1, gpus=1))
+    assert alloc is not None and alloc.devices[0].uuid == "GPU-0001"
+    s = c.place(job(2, share=0.2))
+    assert s is not None and s.devices[0].uuid == "GPU-0000"
+
+
+def test_unsatisfiable_reasons_know_share_modes_and_dynamic_mig() -> None:
+    gpus = [gpu(0), gpu(1, mig=True, instances=(instance(1, "3g.40gb", 0),))]
+    share = ShareRequest(fraction=0.5, gpu_mem_mib=1000)
+    assert "configured for sharing" in (unsatisfiable_reason(share, gpus) or "")
+    assert unsatisfiable_reason(share, gpus, {"GPU-0000": "mps"}) is None
+    huge = ShareRequest(fraction=0.5, gpu_mem_mib=500_000)
+    assert "largest shared device" in (unsatisfiable_reason(huge, gpus, {"GPU-0000": "mps"}) or "")
+    from gpusched.model import MigRequest
+    assert "3g.40gb" in (unsatisfiable_reason(MigRequest(profile="1g.10gb"), gpus) or "")
+    assert unsatisfiable_reason(MigRequest(profile="1g.10gb"), gpus, dynamic=frozenset({1})) is None
+    assert "1 GPU(s) with MIG off" in (unsatisfiable_reason(WholeRequest(gpus=2), gpus) or "")
+
+
+_req = st.one_of(
+    st.builds(lambda n: {"gpus": n}, st.integers(1, 3)),
+    st.builds(lambda p: {"mig": p}, st.sampled_from(["1g.10gb", "2g.20gb", "3g.40gb"])),
+    st.builds(lambda f, m: {"share": f, "mem": m}, st.floats(0.05, 1.0), st.integers(1, 60_000)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), _req, st.sampled_from(["a", "b", "c"]),
+                              st.sampled_from([None, "fp16", "fp32"])), min_size=1, max_size=40))
+def test_no_device_memory_or_mps_slot_is_ever_over_allocated(
+    ops: list[tuple[bool, dict[str, Any], str, str | None]],
+) -> None:
+    gpus = [gpu(0, numa=0), gpu(1, numa=0), gpu(2, numa=1),
+            gpu(3, mig=True, instances=(instance(3, "3g.40gb", 4), instance(3, "2g.20gb", 0),
+                                        instance(3, "1g.10gb", 2), instance(3, "1g.10gb", 3)))]
+    modes = {"GPU-0001": "mps", "GPU-0002": "timeslice"}
+    modes.update({i.uuid: "mps" for i in gpus[3].instances if i.profile == "3g.40gb"})
+    c = Cluster.build(gpus, [], share_modes=modes)
+    live: list[int] = []
+    for k, (release, req, user, prec) in enumerate(ops):
+        if release and live:
+            c.release(live.pop(0))
+            continue
+        j = job(k + 1, user, precision=prec, **req)
+        alloc = c.place(j)
+        if alloc is not None:
+            c.commit(j, alloc)
+            live.append(j.id)
+        assert c.violations() == []
