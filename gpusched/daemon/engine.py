@@ -95,6 +95,8 @@ class Engine:
         self._changed = asyncio.Condition()
         self._stops: dict[int, StopRequest] = {}
         self._final_states: dict[int, JobState] = {}  # ended jobs others may depend on
+        self._active: set[int] = set()  # ids of STARTING / RUNNING / SUSPENDED jobs
+        self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -113,10 +115,13 @@ class Engine:
             load(json.loads(saved))
         for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
             self.jobs[job.id] = job
+            if job.state in ACTIVE_STATES:
+                self._active.add(job.id)
         stops = self.store.get_meta("stop_requests")
         for key, (final, reason) in (json.loads(stops) if stops else {}).items():
             self._stops[int(key)] = StopRequest(JobState(final), reason)
         await self._recover()
+        self.requeue_all()
         self._write_job_mapping()
         self.devices.start_watching(self._on_gpu_event)
         self._loop_task = asyncio.create_task(self._run(), name="gpusched-engine")
@@ -187,6 +192,8 @@ class Engine:
         self.jobs[job.id] = job
         if hold:
             job = self._set(job, JobState.HELD, "held at submission")
+        else:
+            self._enqueue(job)
         self._notify()
         self.wake()
         return job
@@ -348,17 +355,25 @@ class Engine:
     # ---- the pass ------------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        jobs = sorted(self.jobs.values(), key=lambda j: j.id)
+        if self._incremental:
+            pending: tuple[Job, ...] = ()  # the scheduler holds its own queue (see _enqueue)
+        else:
+            pending = tuple(sorted((j for j in self.jobs.values() if j.state is JobState.PENDING and self._ready(j)),
+                                   key=lambda j: j.id))
         return Snapshot(
             gpus=self.inventory.gpus,
-            pending=tuple(j for j in jobs if j.state is JobState.PENDING and self._ready(j)),
-            active=tuple(j for j in jobs if j.state in ACTIVE_STATES),
+            pending=pending,
+            active=tuple(self.jobs[i] for i in sorted(self._active)),
             unschedulable=self.devices.unschedulable(self.inventory),
             share_modes=self.share_modes(),
             dynamic=self.dynamic_gpus(),
             mps_owner=self._mps_owners(),
             reserved_interactive=self._reserved_interactive(),
         )
+
+    @property
+    def _incremental(self) -> bool:
+        return bool(getattr(self.scheduler, "incremental", False))
 
     def share_modes(self) -> dict[str, str]:
         """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared."""
@@ -406,11 +421,37 @@ class Engine:
             final = self._final_states[dep.job_id] = ended.state
         return dep.condition == "any" or final is JobState.COMPLETED
 
+    def _enqueue(self, job: Job) -> None:
+        """A job became PENDING: the scheduler gets it once its dependencies are met."""
+        if not self._incremental:
+            return
+        if self._ready(job):
+            self._awaiting_deps.discard(job.id)
+            self.scheduler.submit(job)
+        else:
+            self._awaiting_deps.add(job.id)
+
+    def _release_met_dependencies(self) -> None:
+        for job_id in sorted(self._awaiting_deps):
+            job = self.jobs.get(job_id)
+            if job is None or job.state is not JobState.PENDING:
+                self._awaiting_deps.discard(job_id)
+            elif self._ready(job):
+                self._enqueue(job)
+
+    def requeue_all(self) -> None:
+        """Hand every pending job to a fresh scheduler, in submission order (start-up, reload)."""
+        for job in sorted(self.jobs.values(), key=lambda j: j.id):
+            if job.state is JobState.PENDING:
+                self._enqueue(job)
+
     def _ready(self, job: Job) -> bool:
         return all(self._dependency_status(d) for d in job.spec.after)
 
     def _fail_broken_dependencies(self) -> None:
-        for job in list(self.jobs.values()):
+        waiting = [self.jobs[i] for i in sorted(self._awaiting_deps) if i in self.jobs]
+        held = [j for j in self.jobs.values() if j.state is JobState.HELD and j.spec.after]
+        for job in waiting + held if self._incremental else list(self.jobs.values()):
             if job.state not in (JobState.PENDING, JobState.HELD):
                 continue
             for dep in job.spec.after:
@@ -425,6 +466,7 @@ class Engine:
         self.passes += 1
         began = time.perf_counter()
         self._fail_broken_dependencies()
+        self._release_met_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
         if actions or self.passes % 30 == 0:
             self._persist_standing()
@@ -678,6 +720,15 @@ class Engine:
         else:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        if state in ACTIVE_STATES:
+            self._active.add(job.id)
+        else:
+            self._active.discard(job.id)
+        if state is JobState.PENDING and job.state is not JobState.PENDING:
+            self._enqueue(updated)  # submitted, released, or requeued after preemption
+        elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
+            self._awaiting_deps.discard(job.id)
+            self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
         if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
             self._write_job_mapping()
         self._notify()

@@ -83,8 +83,9 @@ class Daemon:
         engine.devices.health.auto_resume_after_s = applied.health_auto_resume_s
         if {"fairness", "scheduler", "mig"} & set(live):
             standing = engine.scheduler.export_standing()
-            engine.scheduler = Scheduler(scheduler_config(applied))
+            engine.scheduler = Scheduler(scheduler_config(applied), incremental=True)
             engine.scheduler.load_standing(standing)
+            engine.requeue_all()
         if "gpus" in live:
             await engine.apply_static_layouts()
         engine.wake()
@@ -165,7 +166,8 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     cgroups, cgroup_note = open_cgroups(config)
     if cgroups is None:
         log.warning("per-job cgroups off: %s; CPU affinity only, --mem not enforced", cgroup_note)
-    engine = Engine(config, store, backend, executor, Scheduler(scheduler_config(config)), cgroups=cgroups)
+    engine = Engine(config, store, backend, executor, Scheduler(scheduler_config(config), incremental=True),
+                    cgroups=cgroups)
     engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
     server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)
