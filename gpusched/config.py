@@ -88,6 +88,19 @@ class SchedulerSection(BaseModel):
     preempt_min_gain_s: float = Field(
         default=300.0, ge=0, description="preempt only if the waiting job would otherwise wait longer than this"
     )
+    preempt_min_run_s: float = Field(default=600.0, ge=0, description="never preempt a job that has run less than this")
+    preempt_lag_margin_gpu_s: float = Field(
+        default=900.0, ge=0, description="the victim's user must be at least this far (GPU-seconds) above their share"
+    )
+    preempt_max_per_job: int = Field(default=1, ge=0, description="how often one job may be preempted")
+    backfill_unknown_horizon_s: float = Field(
+        default=3600.0, ge=0, description="longest --time a job may have to backfill when the head's start is unknown"
+    )
+    max_scan: int = Field(default=2000, ge=1, description="pending jobs examined per pass once the fairness head "
+                          "is blocked")
+    per_user_scan: int = Field(default=8, ge=1, description="jobs of one user examined for backfill per pass")
+    max_mig_demand: int = Field(default=16, ge=0, description="blocked MIG jobs turned into instance-creation "
+                                "demand per pass")
 
 
 class MigSection(BaseModel):
@@ -236,6 +249,8 @@ def _read_toml(path: str) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

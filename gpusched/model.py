@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class JobState(StrEnum):
@@ -67,6 +67,11 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
+# Job ids are SQLite INTEGER primary keys: anything outside int64 can never name a job.
+JobId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+MAX_SPEC_BYTES = 256 * 1024  # argv + environment: a show or wait reply must still fit in one frame
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -98,7 +103,7 @@ ResourceRequest = Annotated[WholeRequest | MigRequest | ShareRequest, Field(disc
 class Dependency(_Frozen):
     """`--after ID[:ok|any]`: start only after job ID has ended (`ok`: ended COMPLETED)."""
 
-    job_id: int = Field(ge=1)
+    job_id: JobId
     condition: Literal["ok", "any"] = "ok"
 
 
@@ -136,6 +141,14 @@ class JobSpec(_Frozen):
         if any("\x00" in part for part in value):
             raise ValueError("arguments must not contain NUL bytes")
         return value
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JobSpec:
+        size = sum(len(a.encode()) for a in self.argv) + sum(len(k) + len(v) for k, v in self.env.items())
+        if size > MAX_SPEC_BYTES:
+            raise ValueError(f"argv and environment take {size} bytes; at most {MAX_SPEC_BYTES} are accepted "
+                             "(submit with --export NONE or fewer variables)")
+        return self
 
 
 class AllocatedDevice(_Frozen):

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from gpusched.model import Event, Job, JobSpec, JobState
+from gpusched.model import Event, Job, JobId, JobSpec, JobState
 
 PROTOCOL_VERSION = "1.0"
 MAX_FRAME = 1 << 20  # 1 MiB
@@ -69,7 +69,13 @@ class QueueRequest(_Req):
     op: Literal["queue"] = "queue"
     all: bool = Field(default=False, description="include finished jobs")
     user: str | None = Field(default=None, description="only this user's jobs")
-    limit: int = Field(default=1000, ge=1, le=100_000, description="newest finished jobs kept with --all")
+    limit: int = Field(default=1000, ge=1, le=3000, description="at most this many rows (a reply must fit in "
+                       "one frame); with --all the newest finished jobs fill what pending and active jobs leave")
+    after_id: int | None = Field(
+        default=None, ge=0, le=2**63 - 1,
+        description="page through jobs in id order: only ids above this (0 for the first page); with --all, "
+        "finished jobs too",
+    )
     order: Literal["id", "fairness"] = Field(
         default="id", description="id: submission order; fairness: active jobs, then pending in the order "
         "the scheduler would start them"
@@ -78,25 +84,25 @@ class QueueRequest(_Req):
 
 class ShowRequest(_Req):
     op: Literal["show"] = "show"
-    job_id: int = Field(ge=1)
+    job_id: JobId
 
 
 class CancelRequest(_Req):
     op: Literal["cancel"] = "cancel"
-    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
 
 
 class LogsRequest(_Req):
     op: Literal["logs"] = "logs"
-    job_id: int = Field(ge=1)
-    offset: int = Field(default=0, ge=0, description="byte offset to read from")
+    job_id: JobId
+    offset: int = Field(default=0, ge=0, le=2**62, description="byte offset to read from")
     max_bytes: int = Field(default=256 * 1024, ge=1, le=512 * 1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=30.0, description="long-poll for new output")
 
 
 class WaitRequest(_Req):
     op: Literal["wait"] = "wait"
-    job_id: int = Field(ge=1)
+    job_id: JobId
     timeout_s: float = Field(default=30.0, ge=0.0, le=300.0)
 
 
@@ -104,26 +110,26 @@ class SuspendRequest(_Req):
     """SIGSTOP the whole job; it keeps its devices and GPU memory."""
 
     op: Literal["suspend"] = "suspend"
-    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
 
 
 class ResumeRequest(_Req):
     """SIGCONT a suspended job."""
 
     op: Literal["resume"] = "resume"
-    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
 
 
 class HoldRequest(_Req):
     """Keep pending jobs from starting until released."""
 
     op: Literal["hold"] = "hold"
-    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
 
 
 class ReleaseRequest(_Req):
     op: Literal["release"] = "release"
-    job_ids: list[int] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
 
 
 class GpuDrainRequest(_Req):
@@ -264,6 +270,7 @@ class JobSummary(_Res):
 
 class QueueResult(_Res):
     jobs: list[JobSummary]
+    total: int = Field(default=0, description="rows that matched; more than len(jobs) when limited")
 
 
 class ShowResult(_Res):
@@ -306,6 +313,7 @@ class InstanceInfo(_Res):
     health: str
     jobs: list[int]
     users: list[str]
+    gi_id: int | None = Field(default=None, description="the GPU instance id (for `sim inject-xid --gi`)")
 
 
 class GpuInfo(_Res):
@@ -322,6 +330,8 @@ class GpuInfo(_Res):
     instances: list[InstanceInfo]
     jobs: list[int]
     users: list[str]
+    share: str = Field(default="exclusive", description="exclusive | mps | timeslice, from the daemon's config")
+    interactive: bool = Field(default=False, description="reserved for --class interactive jobs")
 
 
 class GpusResult(_Res):
@@ -507,6 +517,10 @@ def decode_body(body: bytes) -> dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not acceptable JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame must hold a JSON object, not {type(obj).__name__}")
     return obj

@@ -117,8 +117,14 @@ class DaemonHandle:
 
 
 def kill_job_processes(state_dir: str) -> None:
-    """Tests must not leave jobs behind: SIGKILL every job process group recorded under state_dir."""
+    """Tests must not leave jobs behind: SIGKILL every job process group recorded under state_dir,
+    and every (simulated) MPS control daemon the daemon started there."""
+    import glob
     import json
+
+    for pid_file in glob.glob(os.path.join(state_dir, "mps", "**", "nvidia-cuda-mps-control.pid"), recursive=True):
+        with contextlib.suppress(OSError, ValueError), open(pid_file) as f:
+            os.kill(int(f.read().strip()), signal.SIGKILL)
 
     jobs_dir = os.path.join(state_dir, "jobs")
     if not os.path.isdir(jobs_dir):

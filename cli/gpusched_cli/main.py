@@ -419,19 +419,25 @@ def _wait_for(client: Client, job_id: int) -> Job:
 @click.option("--user", metavar="USER", help="only this user's jobs")
 @click.option("--order", type=click.Choice(["id", "fairness"]), default="id", show_default=True,
               help="fairness: pending jobs in the order the scheduler would start them")
-@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...]} (see docs/cli.md)')
+@click.option("--limit", type=click.IntRange(1, 3000), default=1000, show_default=True,
+              help="at most this many rows")
+@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N} (see docs/cli.md)')
 @click.pass_context
-def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, as_json: bool) -> None:
+def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, as_json: bool) -> None:
     """List pending and running jobs (with --all, finished ones too)."""
     labels: dict[str, str] = {}
     with _client(ctx) as client:
-        result = client.call(QueueRequest(all=show_all, user=user, order=order), QueueResult)  # type: ignore[arg-type]
+        request = QueueRequest(all=show_all, user=user, order=order, limit=limit)  # type: ignore[arg-type]
+        result = client.call(request, QueueResult)
         if not as_json and any(job.devices for job in result.jobs):
             labels = render.device_labels(client.call(GpusRequest(), GpusResult))
     if as_json:
         _print_json(result)
     else:
         click.echo(render.queue_table(result.jobs, time.time(), labels))
+        if result.total > len(result.jobs):
+            click.echo(f"... {result.total - len(result.jobs)} more not shown (narrow with --user, or --limit up "
+                       "to 3000)")
 
 
 @cli.command()

@@ -229,7 +229,7 @@ def gpus_text(result: GpusResult) -> str:
         lines.append(f"GPU {gpu.index}  {gpu.model}  {gpu.name}  {gpu.uuid}")
         lines.append(
             f"  memory {format_mib(gpu.memory_total_mib)}{used}, {gpu.sm_count} SMs, {_mig_mode(gpu)}, "
-            f"health {gpu.health}"
+            f"share {gpu.share}{', interactive only' if gpu.interactive else ''}, health {gpu.health}"
         )
         if gpu.mig_enabled or gpu.instances:
             if not gpu.instances:
@@ -238,6 +238,7 @@ def gpus_text(result: GpusResult) -> str:
                 rows = [
                     (
                         inst.profile,
+                        str(inst.gi_id) if inst.gi_id is not None else "-",
                         f"{inst.start}:{inst.size}",
                         format_mib(inst.memory_mib),
                         str(inst.sm_count),
@@ -247,7 +248,7 @@ def gpus_text(result: GpusResult) -> str:
                     )
                     for inst in sorted(gpu.instances, key=lambda i: (i.start, i.profile))
                 ]
-                headers = ("PROFILE", "PLACEMENT", "MEMORY", "SMS", "HEALTH", "UUID", "JOBS")
+                headers = ("PROFILE", "GI", "PLACEMENT", "MEMORY", "SMS", "HEALTH", "UUID", "JOBS")
                 lines += ["  " + line for line in table(headers, rows).splitlines()]
         else:
             lines.append(f"  jobs: {_who(gpu.jobs, gpu.users)}")

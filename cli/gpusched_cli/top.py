@@ -73,7 +73,9 @@ def _gpu_lines(gpu: GpuInfo, width: int) -> list[str]:
     mem = _bar(used / gpu.memory_total_mib if gpu.memory_total_mib else 0.0)
     health = "" if gpu.health == "ok" else f"  [{gpu.health}]"
     lines = [f"GPU {gpu.index} {gpu.model:<10} mem {mem} {format_mib(used)}/{format_mib(gpu.memory_total_mib)}"
-             f"  {'MIG' if gpu.mig_enabled else 'whole'}{health}"]
+             f"  {'MIG' if gpu.mig_enabled else 'whole'}"
+             f"{'' if gpu.share == 'exclusive' else ' ' + gpu.share}{' interactive' if gpu.interactive else ''}"
+             f"{health}"]
     if gpu.mig_enabled:
         lines.append("  " + mig_strip(gpu, max(40, width - 4)))
     elif gpu.jobs:

@@ -84,6 +84,13 @@ class CgroupManager:
             _write(os.path.join(path, "cpuset.cpus"), format_cpu_list(limits.cpuset))
         return path
 
+    def kill(self, job_id: int) -> None:
+        """SIGKILL everything in the job's cgroup, including processes that left its process group."""
+        path = os.path.join(self.job_path(job_id), "cgroup.kill")
+        if os.path.exists(path):  # cgroup v2 since Linux 5.14
+            with contextlib.suppress(OSError):
+                _write(path, "1")
+
     def remove(self, job_id: int) -> bool:
         """Remove an emptied job cgroup; False (and left in place) while processes remain."""
         path = self.job_path(job_id)

@@ -97,7 +97,7 @@ def _numa(engine: Engine) -> Iterable[DoctorCheck]:
 def _cgroups(engine: Engine) -> DoctorCheck:
     if engine.cgroups is None:
         return _check("cgroups", WARN, f"per-job cgroups off: {engine.cgroup_note}; CPU affinity only, "
-                      "--mem and --cpus time limits are not enforced",
+                      "--mem is not enforced and --cpus only by CPU affinity",
                       "run gpuschedd as the systemd service (systemd/gpusched.service has Delegate=yes)")
     missing = engine.cgroups.missing()
     if missing:

@@ -129,6 +129,10 @@ class Engine:
     async def stop(self) -> None:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
         await asyncio.to_thread(self.devices.stop_watching)
+        held = {u for j in self.jobs.values() if j.state in ACTIVE_STATES and j.allocation for u in j.allocation.uuids}
+        for uuid in self.mps.devices():
+            if uuid not in held:  # MPS daemons of running jobs stay: their clients still need them
+                await self._stop_mps(uuid)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -564,6 +568,22 @@ class Engine:
             groups = (job.gid,)  # a uid with no passwd entry still runs, with its primary group
         return Identity(job.uid, job.gid, groups, drop=True)
 
+    def _release_mps(self, ended: Job) -> None:
+        """Quit a device's MPS control daemon once its last share has ended (a later share restarts it)."""
+        if ended.allocation is None or ended.allocation.share is None:
+            return
+        for uuid in ended.allocation.uuids:
+            if uuid in self.mps.devices() and not any(
+                    j.id != ended.id and j.state in ACTIVE_STATES and j.allocation is not None
+                    and uuid in j.allocation.uuids for j in self.jobs.values()):
+                self._spawn(self._stop_mps(uuid))
+
+    async def _stop_mps(self, uuid: str) -> None:
+        try:
+            await asyncio.to_thread(self.mps.stop, uuid)
+        except GpuError as exc:
+            log.warning("stopping the MPS control daemon of %s: %s", uuid, exc.message)
+
     async def _mps_env(self, allocation: Allocation) -> dict[str, str]:
         """For a share on an `mps` device: start (or reuse) its control daemon and give the job its caps."""
         if allocation.share is None or len(allocation.devices) != 1:
@@ -610,7 +630,10 @@ class Engine:
                 if status is not None:
                     self._finish(job.id, status)
                 elif self.executor.is_alive(job.id):
-                    self._set(job, JobState.RUNNING, "re-adopted after daemon restart")
+                    job = self._set(job, JobState.RUNNING, "re-adopted after daemon restart",
+                                    pid=self.executor.adopted_pid(job.id))
+                    if job.id in self._stops:
+                        self._request_stop(job, self._stops[job.id])
                 else:
                     self._set(job, JobState.LOST, "daemon stopped while the job was starting",
                               ended_at=self.clock())
@@ -635,6 +658,7 @@ class Engine:
             timer.cancel()
         stop = self._stops.pop(job_id, None)
         self._persist_stops()
+        self._release_mps(job)
         if self.cgroups is not None and not self.cgroups.remove(job_id):
             log.warning("job %d: cgroup %s still has processes; left in place", job_id, self.cgroups.job_path(job_id))
         ended = status.ended_at or self.clock()
@@ -672,9 +696,13 @@ class Engine:
                 self.executor.signal(job.pid, signal.SIGCONT)  # a stopped job cannot handle SIGTERM
             self.executor.signal(job.pid, signal.SIGTERM)
             loop = asyncio.get_running_loop()
-            self._kill_timers[job.id] = loop.call_later(
-                self.config.kill_grace_s, self.executor.signal, job.pid, signal.SIGKILL
-            )
+            self._kill_timers[job.id] = loop.call_later(self.config.kill_grace_s, self._kill_hard, job.id, job.pid)
+
+    def _kill_hard(self, job_id: int, pid: int) -> None:
+        """The grace period is over: SIGKILL the process group, and the cgroup for anything that escaped it."""
+        self.executor.signal(pid, signal.SIGKILL)
+        if self.cgroups is not None:
+            self.cgroups.kill(job_id)
 
     def _enforce_time_limits(self) -> None:
         now = self.clock()

@@ -173,6 +173,15 @@ class Executor:
             return None
         return ExitStatus(data.get("exit_code"), data.get("signal"), data.get("error"), data.get("ended_at"))
 
+    def adopted_pid(self, job_id: int) -> int | None:
+        """The job's pid as its shim recorded it (for a job the daemon lost track of while starting)."""
+        try:
+            with open(os.path.join(self.job_dir(job_id), SHIM)) as f:
+                pid = json.load(f).get("pid")
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return int(pid) if pid else None
+
     def is_alive(self, job_id: int) -> bool:
         """Is the job's shim (or, failing that, the job) still the process we started?"""
         try:

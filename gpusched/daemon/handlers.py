@@ -109,9 +109,14 @@ def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
 
 
 def queue(ctx: Context, req: QueueRequest) -> QueueResult:
-    jobs: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()}
-    if req.all:
-        for job in ctx.engine.store.recent(req.limit, user=req.user):
+    after = req.after_id if req.after_id is not None else 0
+    jobs: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()
+                            if (req.user is None or j.user == req.user) and j.id > after}
+    if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
+        for job in ctx.engine.store.page(req.after_id, req.limit, user=req.user):
+            jobs.setdefault(job.id, job)
+    elif req.all and len(jobs) < req.limit:
+        for job in ctx.engine.store.recent(req.limit - len(jobs), user=req.user, finished=True):
             jobs.setdefault(job.id, job)
     ordered = [j for _, j in sorted(jobs.items())]
     order = getattr(ctx.engine.scheduler, "fairness_order", None)
@@ -119,8 +124,8 @@ def queue(ctx: Context, req: QueueRequest) -> QueueResult:
         rank = {job_id: i for i, job_id in enumerate(order())}
         # Active and finished jobs first (by id), then pending ones as the scheduler would start them.
         ordered.sort(key=lambda j: (j.id in rank, rank.get(j.id, 0), j.id))
-    rows = [summarize(j) for j in ordered if req.user is None or j.user == req.user]
-    return QueueResult(jobs=rows)
+    rows = [summarize(j) for j in ordered[: req.limit]]
+    return QueueResult(jobs=rows, total=len(ordered))
 
 
 def show(ctx: Context, req: ShowRequest) -> ShowResult:
@@ -253,7 +258,7 @@ def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     if sim is None:
         raise ProtocolError(ErrorCode.INVALID_STATE, "this daemon drives real GPUs; faults can only be "
                             "injected into simulated ones (gpuschedd --sim)")
-    if req.gpu >= len(ctx.engine.inventory.gpus):
+    if not any(g.index == req.gpu for g in ctx.engine.inventory.gpus):
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no GPU {req.gpu}")
     if req.lost:
         sim.lose_gpu(req.gpu)
@@ -372,16 +377,19 @@ def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
                 uuid=i.uuid, profile=i.profile, start=i.start, size=i.size, memory_mib=i.memory_mib,
                 sm_count=i.sm_count, health=_health(i.uuid, devices.drain_reason(i.uuid), None) if health == "ok"
                 else health, jobs=[j.id for j in holders.get(i.uuid, [])],
-                users=sorted({j.user for j in holders.get(i.uuid, [])}),
+                users=sorted({j.user for j in holders.get(i.uuid, [])}), gi_id=i.gi_id,
             )
             for i in sorted(gpu.instances, key=lambda i: i.start)
         ]
+        gpu_config = ctx.engine.config.gpus.get(str(gpu.index))
         on_gpu = holders.get(gpu.uuid, [])
         out.append(GpuInfo(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, model=gpu.model, memory_total_mib=gpu.memory_total_mib,
             memory_used_mib=gpu.memory_used_mib, sm_count=gpu.sm_count, mig_enabled=gpu.mig_enabled,
             mig_pending=gpu.mig_pending, health=health, instances=instances, jobs=[j.id for j in on_gpu],
             users=sorted({j.user for j in on_gpu}),
+            share=gpu_config.share if gpu_config is not None else "exclusive",
+            interactive=gpu_config.interactive if gpu_config is not None else False,
         ))
     return GpusResult(backend=ctx.backend_name, driver_version=inventory.driver_version, gpus=out)
 
@@ -399,11 +407,7 @@ HANDLERS: dict[str, Handler] = {
     "hello": hello, "submit": submit, "queue": queue, "show": show, "cancel": cancel,
     "logs": logs, "wait": wait, "suspend": suspend, "resume": resume, "hold": hold, "release": release,
     "gpu_drain": gpu_drain, "gpu_resume": gpu_resume, "mig_apply": mig_apply, "sim_inject_xid": sim_inject_xid,
-    "doctor": doctor,
-    "reload": reload,
-    "stats": stats,
-    "watch": watch,
-    "gpus": gpus, "shutdown": shutdown,
+    "doctor": doctor, "reload": reload, "stats": stats, "watch": watch, "gpus": gpus, "shutdown": shutdown,
 }
 
 
@@ -469,7 +473,7 @@ def _read_log(path: str, offset: int, limit: int) -> bytes:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read(limit)
-    except FileNotFoundError:
+    except (OSError, OverflowError):  # missing, or an offset past what the filesystem can address
         return b""
 
 

@@ -27,7 +27,7 @@ from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.metrics import MetricsServer
-from gpusched.daemon.server import Server, SocketInUse
+from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.model import JobState
@@ -124,7 +124,14 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
         mig=MigPolicy(min_idle_s=config.mig.min_idle_s, min_reconfig_interval_s=config.mig.min_reconfig_interval_s),
         preempt_after_s=config.scheduler.preempt_after_s,
         preempt_min_gain_s=config.scheduler.preempt_min_gain_s,
+        preempt_min_run_s=config.scheduler.preempt_min_run_s,
+        preempt_lag_margin_gpu_s=config.scheduler.preempt_lag_margin_gpu_s,
+        preempt_max_per_job=config.scheduler.preempt_max_per_job,
         backfill=config.scheduler.backfill,
+        backfill_unknown_horizon_s=config.scheduler.backfill_unknown_horizon_s,
+        max_scan=config.scheduler.max_scan,
+        per_user_scan=config.scheduler.per_user_scan,
+        max_mig_demand=config.scheduler.max_mig_demand,
     )
 
 
@@ -153,6 +160,10 @@ def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:
 async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "",
                 loader: Callable[[], DaemonConfig] | None = None) -> Daemon:
     """Boot every part and start serving; raises StartupError with an actionable message."""
+    try:
+        claim_socket_path(config.socket)  # before anything touches the state of a daemon that may be alive
+    except (SocketInUse, OSError) as exc:
+        raise StartupError(str(exc)) from None
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
     # 0711: job owners must reach their own log (STATE/logs/ID.log) but may not list anything.
@@ -171,12 +182,13 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
     server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)
+    await engine.start()  # every job loaded and recovered before the first request is read
     try:
         await server.start()
     except (SocketInUse, OSError) as exc:
+        await engine.stop()
         store.close()
         raise StartupError(str(exc)) from None
-    await engine.start()
     metrics = None
     if config.metrics_address is not None:
         metrics = MetricsServer(engine, config.metrics_address, backend_name)

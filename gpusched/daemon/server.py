@@ -38,6 +38,7 @@ from gpusched.protocol import (
 
 log = logging.getLogger("gpusched.server")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+HELLO_TIMEOUT_S = 10.0
 
 
 class SocketInUse(Exception):
@@ -86,8 +87,15 @@ class Server:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
+        self._per_uid: dict[int, int] = {}
+
+    @property
+    def per_uid_limit(self) -> int:
+        """Connections one ordinary user may hold: a quarter of the total, and at least 8."""
+        return max(8, self.max_connections // 4)
 
     async def start(self) -> None:
+        """Listen. Called only once the engine has loaded every job: nobody is served a half-loaded state."""
         claim_socket_path(self.path)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         os.chmod(self.path, 0o666)  # anyone may connect; SO_PEERCRED decides what they may do
@@ -113,17 +121,29 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        counted = False
+        peer = Peer(0, 0, 0)
         try:
-            if len(self._connections) > self.max_connections:
-                await self._send(writer, error(ErrorCode.INTERNAL, "too many connections", "try again shortly"))
-                return
             sock = writer.get_extra_info("socket")
             peer = peer_credentials(sock)
+            mine = self._per_uid.get(peer.uid, 0) + 1
+            self._per_uid[peer.uid] = mine
+            counted = True
+            # One user may not take every slot: root (and the daemon's own user) is never locked out.
+            if len(self._connections) > self.max_connections or (
+                    peer.uid not in (0, os.geteuid()) and mine > self.per_uid_limit):
+                await self._send(writer, error(ErrorCode.INTERNAL, "too many connections",
+                                               "close idle gpusched clients (e.g. `top`) and try again"))
+                return
             await self._session(reader, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
         finally:
             self._connections.discard(task)
+            if counted:
+                self._per_uid[peer.uid] -= 1
+                if not self._per_uid[peer.uid]:
+                    del self._per_uid[peer.uid]
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -135,7 +155,14 @@ class Server:
         greeted = False
         while not self._closing:
             try:
-                header = await reader.readexactly(HEADER.size)
+                if greeted:
+                    header = await reader.readexactly(HEADER.size)
+                else:  # a connection that never says hello must not hold a slot for ever
+                    header = await asyncio.wait_for(reader.readexactly(HEADER.size), HELLO_TIMEOUT_S)
+            except TimeoutError:
+                await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
+                                               f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
+                return
             except asyncio.IncompleteReadError as exc:
                 if exc.partial:
                     await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
@@ -214,7 +241,12 @@ class Server:
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
-        writer.write(encode_frame(message))
+        try:
+            frame = encode_frame(message)
+        except ProtocolError as exc:  # a reply too large for one frame: say so instead of hanging up
+            frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
+                                       "ask for less (e.g. `queue --user`, a smaller --limit)"))
+        writer.write(frame)
         await writer.drain()
 
 

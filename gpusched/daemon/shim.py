@@ -123,7 +123,8 @@ def run(job_dir: str) -> int:
     exit_code = os.waitstatus_to_exitcode(status)
     write_atomic(os.path.join(job_dir, STATUS), {
         "pid": pid,
-        "exit_code": exit_code if exit_code >= 0 else None,
+        # A program that was never executed has no exit code (the child's 127 is ours, not its).
+        "exit_code": exit_code if exit_code >= 0 and not error else None,
         "signal": -exit_code if exit_code < 0 else None,
         "error": error.decode(errors="replace") or None,
         "ended_at": time.time(),

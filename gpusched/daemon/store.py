@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpusched.model import TRANSITIONS, Allocation, Event, Job, JobSpec, JobState, Transition
+from gpusched.model import TERMINAL_STATES, TRANSITIONS, Allocation, Event, Job, JobSpec, JobState, Transition
 
 SCHEMA_VERSION = 1
 
@@ -167,9 +167,22 @@ class Store:
         """Jobs not finished before `since` (unfinished ones included), in submission order."""
         return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,)))
 
-    def recent(self, limit: int, user: str | None = None) -> list[Job]:
-        """The newest `limit` jobs (any state), oldest first."""
-        where, args = ("WHERE user = ?", (user,)) if user is not None else ("", ())
+    def page(self, after_id: int, limit: int, user: str | None = None) -> list[Job]:
+        """Up to `limit` jobs with ids above `after_id`, in id order (any state)."""
+        where, args = ("AND user = ?", (user,)) if user is not None else ("", ())
+        return list(self._select(f"WHERE id > ? {where} ORDER BY id LIMIT ?", (after_id, *args, limit)))
+
+    def recent(self, limit: int, user: str | None = None, finished: bool = False) -> list[Job]:
+        """The newest `limit` jobs (only ended ones with `finished`), oldest first."""
+        clauses: list[str] = []
+        args: list[Any] = []
+        if user is not None:
+            clauses.append("user = ?")
+            args.append(user)
+        if finished:
+            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
+            args.extend(s.value for s in TERMINAL_STATES)
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
         rows = list(self._select(f"{where} ORDER BY id DESC LIMIT ?", (*args, limit)))
         rows.reverse()
         return rows

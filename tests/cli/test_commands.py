@@ -177,7 +177,7 @@ def test_submit_json_queue_and_show(node: DaemonHandle) -> None:
     assert queue_json.exit_code == 0
     data = json.loads(queue_json.stdout)
     jsonschema.validate(data, _schema_for("queue"))
-    assert list(data) == ["jobs"]
+    assert list(data) == ["jobs", "total"] and data["total"] == 1
     (row,) = data["jobs"]
     assert set(row) == set(JobSummary.model_fields)
     assert (row["id"], row["name"], row["state"], row["request"]) == (1, "big", "RUNNING", "gpus=2")

@@ -167,11 +167,11 @@ def test_gpus_text_whole_and_mig() -> None:
     ])
     text = render.gpus_text(result)
     assert "GPU 0  H100-80GB  NVIDIA H100 80GB HBM3  GPU-00000000" in text
-    assert "memory 79.6 GiB, 0 MiB used, 132 SMs, MIG off, health ok" in text
+    assert "memory 79.6 GiB, 0 MiB used, 132 SMs, MIG off, share exclusive, health ok" in text
     assert "jobs: 3 (alice)" in text
     assert "MIG on," in text
     row = next(line for line in text.splitlines() if "3g.40gb" in line)
-    assert row.split()[:5] == ["3g.40gb", "4:4", "39.2", "GiB", "60"]
+    assert row.split()[:6] == ["3g.40gb", "-", "4:4", "39.2", "GiB", "60"]
     assert row.endswith("12 (bob)")
     assert "MIG off (pending on after reset)" in text
 
