@@ -127,6 +127,13 @@ class DaemonConfig(BaseModel):
     kill_grace_s: float = Field(default=10.0, ge=0.0, le=3600.0, description="SIGTERM -> SIGKILL grace period")
     tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
+    max_pending_per_user: int = Field(
+        default=50000, ge=1, description="pending and held jobs one user may have; more submits are refused"
+    )
+    submit_rate_per_user: float = Field(
+        default=200.0, gt=0, description="sustained submits per second one user may make (bursts up to 10x "
+        "this are allowed); root is exempt"
+    )
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
     fairness: FairnessSection = Field(default_factory=FairnessSection, description="fair-share weights and quanta")
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="backfill and preemption")

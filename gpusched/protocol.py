@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     UNSATISFIABLE = "unsatisfiable"
     INVALID_STATE = "invalid_state"
+    LIMIT_EXCEEDED = "limit_exceeded"  # a per-user limit (pending jobs, submit rate); retry later
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 

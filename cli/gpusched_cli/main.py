@@ -84,6 +84,7 @@ EXIT_NOT_FOUND = 4
 EXIT_PERMISSION = 5
 EXIT_UNSATISFIABLE = 6
 EXIT_VERSION = 7
+EXIT_LIMIT = 8  # a per-user limit (pending jobs, submit rate): retry later
 
 # `submit --wait` exits with the job's own status; these stand for endings that have none.
 # 124/125 follow coreutils `timeout` (124: timed out; 125: the command itself could not run).
@@ -98,6 +99,7 @@ _CODE_EXITS: dict[ErrorCode, int] = {
     ErrorCode.PERMISSION_DENIED: EXIT_PERMISSION,
     ErrorCode.UNSATISFIABLE: EXIT_UNSATISFIABLE,
     ErrorCode.VERSION_MISMATCH: EXIT_VERSION,
+    ErrorCode.LIMIT_EXCEEDED: EXIT_LIMIT,
     ErrorCode.SHUTTING_DOWN: EXIT_UNAVAILABLE,
 }
 
@@ -111,6 +113,7 @@ Exit codes:
   5  permission denied (e.g. another user's job, admin-only command)
   6  request can never be satisfied on this node (e.g. more GPUs than it has)
   7  client and daemon protocol versions differ
+  8  a per-user limit was hit (pending jobs, submit rate); try again later
 \b
 submit --wait exits with the job's own exit code, or:
   128+N  the job was killed by signal N

@@ -45,6 +45,7 @@ from gpusched.gpu.mps import MpsManager
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
+    WAITING_STATES,
     Allocation,
     Dependency,
     Event,
@@ -96,6 +97,8 @@ class Engine:
         self._stops: dict[int, StopRequest] = {}
         self._final_states: dict[int, JobState] = {}  # ended jobs others may depend on
         self._active: set[int] = set()  # ids of STARTING / RUNNING / SUSPENDED jobs
+        self._waiting_by_uid: dict[int, int] = {}  # PENDING + HELD jobs per uid (max_pending_per_user)
+        self._submit_tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, monotonic time)
         self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -117,6 +120,8 @@ class Engine:
             self.jobs[job.id] = job
             if job.state in ACTIVE_STATES:
                 self._active.add(job.id)
+            elif job.state in WAITING_STATES:
+                self._count_waiting(job.uid, 1)
         stops = self.store.get_meta("stop_requests")
         for key, (final, reason) in (json.loads(stops) if stops else {}).items():
             self._stops[int(key)] = StopRequest(JobState(final), reason)
@@ -189,11 +194,13 @@ class Engine:
         reason = unsatisfiable_reason(spec.request, self.inventory.gpus, self.share_modes(), self.dynamic_gpus())
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
+        self._check_user_limits(uid, user)
         for dep in spec.after:
             if self.get(dep.job_id) is None:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"after: no job {dep.job_id} to depend on")
         job = self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=self.clock())
         self.jobs[job.id] = job
+        self._count_waiting(uid, 1)
         if hold:
             job = self._set(job, JobState.HELD, "held at submission")
         else:
@@ -201,6 +208,27 @@ class Engine:
         self._notify()
         self.wake()
         return job
+
+    def _check_user_limits(self, uid: int, user: str) -> None:
+        """Per-user limits that keep one user from flooding the queue or the database (root is exempt)."""
+        if uid == 0:
+            return
+        waiting = self._waiting_by_uid.get(uid, 0)
+        if waiting >= self.config.max_pending_per_user:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{user} already has {waiting} pending or held jobs (max_pending_per_user = "
+                f"{self.config.max_pending_per_user})", "wait for some to start, or cancel some",
+            )
+        rate = self.config.submit_rate_per_user
+        now = time.monotonic()
+        tokens, last = self._submit_tokens.get(uid, (rate * 10, now))
+        tokens = min(rate * 10, tokens + (now - last) * rate)  # a token bucket: 10 s of burst
+        if tokens < 1:
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
+                                f"{user} is submitting faster than {rate:g} jobs/s (submit_rate_per_user)",
+                                "slow down, or submit fewer, larger jobs")
+        self._submit_tokens[uid] = (tokens - 1, now)
 
     async def cancel(self, job: Job, reason: str) -> bool:
         """Cancel a job; False if it had already finished."""
@@ -752,6 +780,8 @@ class Engine:
             self._active.add(job.id)
         else:
             self._active.discard(job.id)
+        if (state in WAITING_STATES) != (job.state in WAITING_STATES):
+            self._count_waiting(job.uid, 1 if state in WAITING_STATES else -1)
         if state is JobState.PENDING and job.state is not JobState.PENDING:
             self._enqueue(updated)  # submitted, released, or requeued after preemption
         elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
@@ -761,6 +791,13 @@ class Engine:
             self._write_job_mapping()
         self._notify()
         return updated
+
+    def _count_waiting(self, uid: int, delta: int) -> None:
+        count = self._waiting_by_uid.get(uid, 0) + delta
+        if count > 0:
+            self._waiting_by_uid[uid] = count
+        else:
+            self._waiting_by_uid.pop(uid, None)
 
     def _write_job_mapping(self) -> None:
         if self.config.job_mapping_dir is None:

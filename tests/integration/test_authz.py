@@ -26,7 +26,9 @@ import pytest
 from gpusched import protocol
 from gpusched.model import JobSpec, JobState, WholeRequest
 from gpusched.protocol import PROTOCOL_VERSION, GpusRequest, GpusResult, ShowRequest, ShowResult
+from gpusched_cli.client import Client
 from tests.conftest import DaemonHandle, wait_until
+from tests.integration.test_identity import as_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch uids")
 
@@ -314,3 +316,24 @@ def test_a_users_job_runs_without_root_privileges(daemon: DaemonHandle) -> None:
     lines = out.splitlines()
     assert lines[0] == str(OWNER) and lines[1] == str(OWNER), out  # uid and the only group: no root gid
     assert "READ-SHADOW" not in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch uids")
+def test_per_user_pending_and_rate_limits(daemon_factory: Any) -> None:
+    """One user cannot fill the queue or flood the database; root stays exempt."""
+    d = daemon_factory(max_pending_per_user=3)
+    spec = {"argv": ["true"], "cwd": "/tmp", "env": {}, "request": {"kind": "whole", "gpus": 2}}
+    blocker = as_user(12345, d.socket, {"op": "submit", "spec": {**spec, "argv": ["sleep", "30"]}})[0]
+    assert blocker["ok"], blocker
+    replies = as_user(12345, d.socket, *[{"op": "submit", "spec": spec} for _ in range(4)])
+    codes = [r["error"]["code"] if not r["ok"] else "ok" for r in replies]
+    assert codes[:3] == ["ok", "ok", "ok"] and codes[3] == "limit_exceeded"
+    assert "max_pending_per_user = 3" in replies[3]["error"]["message"]
+    with Client(d.socket) as root:  # root is exempt from both limits
+        for _ in range(5):
+            assert root.raw_call({"op": "submit", "spec": spec})["ok"]
+    fast = daemon_factory(submit_rate_per_user=1.0)
+    burst = as_user(12346, fast.socket, *[{"op": "submit", "spec": spec} for _ in range(12)])
+    limited = [r for r in burst if not r["ok"]]
+    assert limited and all(r["error"]["code"] == "limit_exceeded" for r in limited)
+    assert any("submit_rate_per_user" in r["error"]["message"] for r in limited)
