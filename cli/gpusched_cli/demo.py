@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpusched_cli.client import Client, DaemonUnavailable
 
-SIM = "H100-80GB:2"
+SIM = "H100-80GB:3"  # GPUs 0 and 1 whole, GPU 2 split into MIG instances by the config
 STARTUP_TIMEOUT_S = 20.0
 WORK_TIMEOUT_S = 30.0
 
@@ -67,7 +67,8 @@ class Demo:
         config = self.base / "gpuschedd.toml"
         # The demo's jobs are harmless shell one-liners; a daemon started by root refuses root's jobs
         # unless told otherwise, which would make `sudo make demo` fail for no good reason.
-        config.write_text(f"allow_root_jobs = {'true' if os.geteuid() == 0 else 'false'}\nkill_grace_s = 2.0\n")
+        config.write_text(f"allow_root_jobs = {'true' if os.geteuid() == 0 else 'false'}\nkill_grace_s = 2.0\n"
+                          'cgroup_root = "off"\n[gpus.2]\nmig = ["3g.40gb", "2g.20gb", "2g.20gb"]\n')
         argv = [sys.executable, "-m", "gpusched.daemon.main", "--sim", SIM, "--socket", self.socket,
                 "--state-dir", self.state_dir, "--config", str(config)]
         print(f"$ gpuschedd --sim {SIM} --socket {self.socket} --state-dir {self.state_dir} --config {config}")
@@ -107,10 +108,16 @@ class Demo:
                             "sh", "-c", 'echo "training on $CUDA_VISIBLE_DEVICES"; sleep 2; echo done')
         self.submit("--name", "eval", "--gpus", "1", "--class", "interactive", "--",
                     "sh", "-c", "echo eval; sleep 1")
+        self.submit("--name", "notebook", "--mig", "2g.20gb", "--", "sh", "-c",
+                    "echo on $CUDA_VISIBLE_DEVICES; sleep 2")
+        self.submit("--name", "finetune", "--mig", "3g.40gb", "--", "sh", "-c", "sleep 2")
         broken = self.submit("--name", "broken", "--gpus", "1", "--", "sh", "-c", "echo about to fail >&2; exit 3")
         self.submit("--name", "greedy", "--gpus", "3", "--", "true", expect=6)
         if train is None or broken is None:
             raise DemoFailed("could not read the job ids from `gpusched submit`")
+
+        self.heading("A live picture: GPUs, MIG slices, running jobs, the queue by user")
+        self.gpusched("top", "--once")
 
         self.heading("Watch the queue until every job has finished")
         deadline = time.monotonic() + WORK_TIMEOUT_S
@@ -133,6 +140,9 @@ class Demo:
 
         self.heading("submit --wait passes the job's exit code on")
         self.gpusched("submit", "--wait", "--gpus", "1", "--", "sh", "-c", "echo bye; exit 3", expect=3)
+
+        self.heading("Who got what: service, share and waits")
+        self.gpusched("stats", "--since", "10m")
 
         self.heading("Stop gpuschedd with SIGTERM")
         self.stop_daemon()

@@ -282,14 +282,15 @@ class Scheduler:
                     if doomed:
                         self._reservation.uuids = self._reservation.uuids | doomed
                     self._blocked[job.id] = "next by fairness; " + self._need(job, cluster)
-                    self.queue.park(user)
                     if not self.config.backfill:
                         break
+                    # The head's own user is not parked: their other jobs may backfill too (a MIG job
+                    # behind their blocked whole-GPU job should not idle a free instance).
                     continue
                 if not cluster.has_room():
                     break
                 started = False
-                for k, job in enumerate(self.queue.jobs_of(user)):
+                for k, job in enumerate(j for j in self.queue.jobs_of(user) if j.id != head.id):
                     if k >= self.config.per_user_scan:
                         break
                     scanned += 1

@@ -122,6 +122,18 @@ def test_backfill_only_into_holes_that_end_before_the_reserved_start() -> None:
     assert 1 in n.active  # the head started on time
 
 
+def test_the_heads_own_user_backfills_onto_devices_the_head_cannot_use() -> None:
+    """A user's MIG job must not idle a free instance behind that user's blocked whole-GPU job."""
+    s = Scheduler(SchedulerConfig(), incremental=True)
+    n = Node(s, [gpu(0), gpu(1, mig=True, instances=(instance(1, "3g.40gb", 4),))])
+    n.submit(job(1, "alice", gpus=1), 1000)  # takes the only whole GPU
+    assert _starts(n.step()) == [1]
+    n.submit(job(2, "alice", gpus=1), 100)  # alice's head: blocked until job 1 ends
+    n.submit(job(3, "alice", mig="3g.40gb"), 100)  # fits the idle instance now
+    assert _starts(n.step()) == [3]
+    assert "next by fairness" in n.sched.explain(2)
+
+
 def test_no_backfill_when_disabled() -> None:
     n = _head_blocked_node(backfill=False)
     n.submit(job(2, "bob", time_limit=5), 5)
