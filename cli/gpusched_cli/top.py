@@ -55,8 +55,7 @@ def render_top(snap: TopSnapshot, view: View, width: int = 120, tz: tzinfo | Non
     lines.append(f"Queue by user ({snap.pending_total} pending)")
     users = [u for u in snap.users if view.user in (None, u.user)]
     urows = [(u.user, f"{u.weight:g}", str(u.running), str(u.pending), f"{u.service_gpu_h:.2f}",
-              f"{u.lag_gpu_s:+.0f}".replace("-0", "+0") if u.lag_gpu_s is not None and abs(u.lag_gpu_s) < 0.5
-              else f"{u.lag_gpu_s:+.0f}" if u.lag_gpu_s is not None else "-",
+              _signed(u.lag_gpu_s) if u.lag_gpu_s is not None else "-",
               str(u.next_job) if u.next_job is not None else "-") for u in users]
     lines += _indent(table(("USER", "WEIGHT", "RUNNING", "PENDING", "GPU-H", "LAG GPU-S", "NEXT"), urows)) \
         if urows else ["  none"]
@@ -99,6 +98,11 @@ def mig_strip(gpu: GpuInfo, width: int) -> str:
         pos = start + size
     out += ["." * cell] * (8 - pos)
     return "".join(out)
+
+
+def _signed(value: float) -> str:
+    """`+12` / `-3`, and `+0` rather than `-0` for a lag that rounds to nothing."""
+    return f"{0.0 if abs(value) < 0.5 else value:+.0f}"
 
 
 def _bar(fraction: float) -> str:
