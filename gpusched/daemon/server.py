@@ -88,6 +88,7 @@ class Server:
         self._idle.set()
         self._closing = False
         self._per_uid: dict[int, int] = {}
+        self.refused_connections = 0  # over max_connections or a user's share, since start
 
     @property
     def per_uid_limit(self) -> int:
@@ -132,6 +133,7 @@ class Server:
             # One user may not take every slot: root (and the daemon's own user) is never locked out.
             if len(self._connections) > self.max_connections or (
                     peer.uid not in (0, os.geteuid()) and mine > self.per_uid_limit):
+                self.refused_connections += 1
                 await self._send(writer, error(ErrorCode.INTERNAL, "too many connections",
                                                "close idle gpusched clients (e.g. `top`) and try again"))
                 return

@@ -206,8 +206,8 @@ def test_one_user_cannot_lock_everyone_out_with_idle_connections(daemon_factory:
     with hog:
         assert hog.stdout is not None and hog.stdout.readline().strip() == "ready"
         try:
-            wait_until(lambda: d.call_in_loop(lambda: server._per_uid.get(12345, 0)) <= server.per_uid_limit
-                       and d.call_in_loop(lambda: len(server._connections)) <= server.per_uid_limit,
+            surplus = limit - server.per_uid_limit
+            wait_until(lambda: d.call_in_loop(lambda: server.refused_connections) >= surplus,
                        what="the hog's surplus connections refused")
             held = d.call_in_loop(lambda: server._per_uid.get(12345, 0))
             assert held == server.per_uid_limit == 12
