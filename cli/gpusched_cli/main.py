@@ -72,7 +72,7 @@ from gpusched.protocol import (
 )
 from gpusched_cli import render
 from gpusched_cli.client import Client, DaemonUnavailable, resolve_socket
-from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_size_mib
+from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_export, parse_size_mib
 
 # ---- exit codes ----------------------------------------------------------------------------------
 
@@ -323,6 +323,8 @@ def build_request(
 @click.option("--cpus", type=click.IntRange(1, 4096), help="host CPU cores for the job")
 @click.option("--mem", "mem", metavar="SIZE", callback=_size_flag, help="host memory limit: 32G, 512M, ...")
 @click.option("--hold", is_flag=True, help="submit held: the job starts only after `gpusched release`")
+@click.option("--export", "export", default="ALL", show_default=True, metavar="ALL|NONE|VAR[=VAL],...",
+              help="the job's environment, as sbatch: all of yours, none, or only the listed variables")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32", "tf32"]),
               help="prefer GPUs that are fast at this precision")
 @click.option("--wait", is_flag=True, help="block until the job ends and exit with its exit code")
@@ -344,6 +346,7 @@ def submit(
     cpus: int | None,
     mem: int | None,
     hold: bool,
+    export: str,
     precision: str | None,
     wait: bool,
     as_json: bool,
@@ -359,10 +362,14 @@ def submit(
     """
     request = build_request(gpus, mig, share, gpu_mem)
     try:
+        env = parse_export(export, os.environ)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--export") from None
+    try:
         spec = JobSpec(
             argv=list(command),
             cwd=os.getcwd(),
-            env=dict(os.environ),
+            env=env,
             request=request,
             name=name,
             time_limit_s=time_limit,

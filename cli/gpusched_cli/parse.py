@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Literal
 
 # All size units are binary: GPU memory is sold and reported in GiB, and `10G` meaning 10 GiB is
@@ -95,3 +96,32 @@ def parse_dependencies(text: str) -> list[tuple[int, Literal["ok", "any"]]]:
             )
         out.append((int(match.group(1)), "any" if (match.group(2) or "").lower() == "any" else "ok"))
     return out
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_export(text: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """`--export` as sbatch reads it: the environment a job starts with.
+
+    `ALL` (the default) is the whole submitting environment; `NONE` is nothing (the daemon still
+    supplies HOME, USER, LOGNAME, SHELL and PATH); otherwise a comma-separated list of `NAME` (taken
+    from the submitting environment, skipped if unset) and `NAME=value`, optionally starting with
+    `ALL` to add to the whole environment instead of to nothing.
+    """
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError("give ALL, NONE, or a comma-separated list of NAME or NAME=value")
+    head = items[0].upper()
+    if head == "NONE" and len(items) == 1:
+        return {}
+    env: dict[str, str] = dict(environ) if head == "ALL" else {}
+    for item in items[1:] if head in ("ALL", "NONE") else items:
+        name, eq, value = item.partition("=")
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not a variable name")
+        if eq:
+            env[name] = value
+        elif name in environ:
+            env[name] = environ[name]
+    return env

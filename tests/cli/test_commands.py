@@ -442,3 +442,16 @@ def test_after_dependency_and_host_limits(node: DaemonHandle) -> None:
     wait_state(node, second, {JobState.COMPLETED})
     bad = gs(node, "submit", "--gpus", "1", "--after", "soon", "--", "true")
     assert bad.exit_code == 2 and "'--after': 'soon' is not a dependency" in bad.stderr
+
+
+def test_submit_export_list_sends_only_those_variables(node: DaemonHandle) -> None:
+    env = {"KEEP": "yes", "DROP": "no", "PATH": os.environ["PATH"]}
+    result = CliRunner().invoke(cli, ["--socket", node.socket, "submit", "--gpus", "1", "--export", "KEEP,EXTRA=1",
+                                      "--json", "--", "sh", "-c", "echo ${KEEP}:${DROP}:${EXTRA}"], env=env)
+    job_id = int(json.loads(result.stdout)["job_id"])
+    wait_state(node, job_id, {JobState.COMPLETED})
+    assert gs(node, "logs", str(job_id)).stdout == "yes::1\n"
+    with node.client() as c:
+        assert c.call(ShowRequest(job_id=job_id), ShowResult).job.spec.env == {"KEEP": "yes", "EXTRA": "1"}
+    bad = gs(node, "submit", "--gpus", "1", "--export", "A-B", "--", "true")
+    assert bad.exit_code == 2 and "--export" in bad.stderr

@@ -99,3 +99,17 @@ def test_dependencies(text: str, deps: list[tuple[int, str]]) -> None:
 def test_bad_dependencies(text: str) -> None:
     with pytest.raises(ValueError, match="not a dependency"):
         parse_dependencies(text)
+
+
+def test_export_follows_sbatch() -> None:
+    from gpusched_cli.parse import parse_export
+
+    env = {"HOME": "/home/a", "PATH": "/bin", "TOKEN": "s3cret"}
+    assert parse_export("ALL", env) == env
+    assert parse_export("NONE", env) == {}
+    assert parse_export("PATH,MISSING,MODE=fast", env) == {"PATH": "/bin", "MODE": "fast"}
+    assert parse_export("ALL,MODE=fast", env) == {**env, "MODE": "fast"}
+    assert parse_export("NONE,PATH", env) == {"PATH": "/bin"}
+    for bad in ("", "1BAD", "A-B=1"):
+        with pytest.raises(ValueError):
+            parse_export(bad, env)
