@@ -143,19 +143,47 @@ class DeviceManager:
         return change
 
     def apply_layout(self, gpu: Gpu, change: LayoutChange, now: float) -> list[str]:
-        """Destroy, then create, as planned. Blocking: call it off the event loop."""
+        """Destroy, then create, as planned; if the driver refuses a step, undo what was done.
+
+        Blocking: call it off the event loop. On failure the GPU is put back to its old layout (the
+        same profiles at the same placements; re-created instances get new UUIDs) and the driver's
+        error is raised with what was rolled back.
+        """
         done: list[str] = []
-        for uuid in change.destroy:
-            self.backend.destroy_instance(uuid)
-            done.append(f"destroyed {uuid}")
-            self.store.add_event(Event(at=now, kind="mig_destroy", message=f"destroyed {uuid}", gpu=gpu.index,
-                                       device=uuid))
-        for profile, start in change.create:
-            inst = self.backend.create_instance(gpu.index, profile, start)
-            done.append(f"created {profile} at {start}: {inst.uuid}")
-            self.store.add_event(Event(at=now, kind="mig_create", message=f"created {profile} at {start}",
-                                       gpu=gpu.index, device=inst.uuid))
+        destroyed: list[tuple[str, int]] = []
+        created: list[str] = []
+        old = {i.uuid: i for i in gpu.instances}
+        try:
+            for uuid in change.destroy:
+                self.backend.destroy_instance(uuid)
+                destroyed.append((old[uuid].profile, old[uuid].start))
+                done.append(f"destroyed {uuid}")
+            for profile, start in change.create:
+                inst = self.backend.create_instance(gpu.index, profile, start)
+                created.append(inst.uuid)
+                done.append(f"created {profile} at {start}: {inst.uuid}")
+        except GpuError as exc:
+            self._roll_back(gpu, created, destroyed)
+            exc.message = f"{exc.message}; rolled back: {len(created)} new instance(s) removed, " \
+                          f"{len(destroyed)} destroyed instance(s) re-created"
+            raise
+        for line in done:
+            kind = "mig_destroy" if line.startswith("destroyed") else "mig_create"
+            self.store.add_event(Event(at=now, kind=kind, message=line, gpu=gpu.index))
         return done
+
+    def _roll_back(self, gpu: Gpu, created: list[str], destroyed: list[tuple[str, int]]) -> None:
+        for uuid in reversed(created):
+            try:
+                self.backend.destroy_instance(uuid)
+            except GpuError as exc:
+                log.error("GPU %d: rollback could not destroy %s: %s", gpu.index, uuid, exc.message)
+        for profile, start in destroyed:
+            try:
+                self.backend.create_instance(gpu.index, profile, start)
+            except GpuError as exc:
+                log.error("GPU %d: rollback could not re-create %s at %d: %s", gpu.index, profile, start,
+                          exc.message)
 
 
 def resolve_device(device: str, inventory: Inventory) -> list[str]:
