@@ -95,7 +95,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._stops: dict[int, StopRequest] = {}
-        self._final_states: dict[int, JobState] = {}  # ended jobs others may depend on
+        # Final states of ended jobs that pending jobs depend on, looked up in the store once each;
+        # only --after targets are cached, so it cannot grow with the number of jobs ever run.
+        self._final_states: dict[int, JobState] = {}
         self._active: set[int] = set()  # ids of STARTING / RUNNING / SUSPENDED jobs
         self._waiting_by_uid: dict[int, int] = {}  # PENDING + HELD jobs per uid (max_pending_per_user)
         self._submit_tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, monotonic time)
@@ -772,7 +774,6 @@ class Engine:
         updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
-            self._final_states[job.id] = state
         else:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
