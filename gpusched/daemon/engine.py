@@ -102,6 +102,7 @@ class Engine:
         self._waiting_by_uid: dict[int, int] = {}  # PENDING + HELD jobs per uid (max_pending_per_user)
         self._submit_tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, monotonic time)
         self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
+        self._held_with_deps: set[int] = set()  # HELD jobs with --after (a dependency may fail them)
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -124,6 +125,8 @@ class Engine:
                 self._active.add(job.id)
             elif job.state in WAITING_STATES:
                 self._count_waiting(job.uid, 1)
+                if job.state is JobState.HELD and job.spec.after:
+                    self._held_with_deps.add(job.id)
         stops = self.store.get_meta("stop_requests")
         for key, (final, reason) in (json.loads(stops) if stops else {}).items():
             self._stops[int(key)] = StopRequest(JobState(final), reason)
@@ -136,7 +139,7 @@ class Engine:
     async def stop(self) -> None:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
         await asyncio.to_thread(self.devices.stop_watching)
-        held = {u for j in self.jobs.values() if j.state in ACTIVE_STATES and j.allocation for u in j.allocation.uuids}
+        held = {u for j in self.active_jobs() if j.allocation for u in j.allocation.uuids}
         for uuid in self.mps.devices():
             if uuid not in held:  # MPS daemons of running jobs stay: their clients still need them
                 await self._stop_mps(uuid)
@@ -286,8 +289,8 @@ class Engine:
         self.metrics.record_xid(event.gpu_index, event.xid)
         decision = self.devices.on_event(event, self.inventory, now)
         hit = set(decision.devices)
-        for job in list(self.jobs.values()):
-            if job.state not in ACTIVE_STATES or job.allocation is None or not hit & set(job.allocation.uuids):
+        for job in self.active_jobs():
+            if job.allocation is None or not hit & set(job.allocation.uuids):
                 continue
             self.store.add_event(Event(at=now, kind=decision.action.value, message=decision.reason,
                                        gpu=event.gpu_index, job_id=job.id))
@@ -309,7 +312,7 @@ class Engine:
 
     def busy_devices(self) -> dict[str, int]:
         """Device UUID -> the job holding it."""
-        return {uuid: j.id for j in self.jobs.values() if j.state in ACTIVE_STATES and j.allocation
+        return {uuid: j.id for j in self.active_jobs() if j.allocation
                 for uuid in j.allocation.uuids}
 
     async def apply_mig_layout(
@@ -405,6 +408,10 @@ class Engine:
             reserved_interactive=self._reserved_interactive(),
         )
 
+    def active_jobs(self) -> list[Job]:
+        """STARTING / RUNNING / SUSPENDED jobs, from the index (never a scan of the whole queue)."""
+        return [self.jobs[i] for i in sorted(self._active) if i in self.jobs]
+
     @property
     def _incremental(self) -> bool:
         return bool(getattr(self.scheduler, "incremental", False))
@@ -435,8 +442,8 @@ class Engine:
         """An MPS server serves one uid at a time: the uid of the shares running on each device."""
         owners: dict[str, int] = {}
         modes = self.share_modes()
-        for job in self.jobs.values():
-            if job.state in ACTIVE_STATES and job.allocation is not None and job.allocation.share is not None:
+        for job in self.active_jobs():
+            if job.allocation is not None and job.allocation.share is not None:
                 for uuid in job.allocation.uuids:
                     if modes.get(uuid) == "mps":
                         owners[uuid] = job.uid
@@ -484,7 +491,7 @@ class Engine:
 
     def _fail_broken_dependencies(self) -> None:
         waiting = [self.jobs[i] for i in sorted(self._awaiting_deps) if i in self.jobs]
-        held = [j for j in self.jobs.values() if j.state is JobState.HELD and j.spec.after]
+        held = [self.jobs[i] for i in sorted(self._held_with_deps) if i in self.jobs]
         for job in waiting + held if self._incremental else list(self.jobs.values()):
             if job.state not in (JobState.PENDING, JobState.HELD):
                 continue
@@ -605,7 +612,7 @@ class Engine:
         for uuid in ended.allocation.uuids:
             if uuid in self.mps.devices() and not any(
                     j.id != ended.id and j.state in ACTIVE_STATES and j.allocation is not None
-                    and uuid in j.allocation.uuids for j in self.jobs.values()):
+                    and uuid in j.allocation.uuids for j in self.active_jobs()):
                 self._spawn(self._stop_mps(uuid))
 
     async def _stop_mps(self, uuid: str) -> None:
@@ -642,8 +649,8 @@ class Engine:
 
     def _poll_adopted(self) -> None:
         """Jobs re-adopted after a restart are not our children: look for their status each tick."""
-        for job in list(self.jobs.values()):
-            if job.state not in ACTIVE_STATES or self.executor.owns(job.id):
+        for job in self.active_jobs():
+            if self.executor.owns(job.id):
                 continue
             status = self.executor.collect(job.id)
             if status is not None:
@@ -736,7 +743,7 @@ class Engine:
 
     def _enforce_time_limits(self) -> None:
         now = self.clock()
-        for job in list(self.jobs.values()):
+        for job in self.active_jobs():
             limit = job.spec.time_limit_s
             if job.state is JobState.RUNNING and limit is not None and job.id not in self._stops \
                     and run_seconds(job, now) > limit:
@@ -745,7 +752,7 @@ class Engine:
     async def _watch_gpu_memory(self) -> None:
         """In `timeslice` mode nothing in the hardware caps memory: end a job that uses more than it asked."""
         modes = self.share_modes()
-        watched = [j for j in self.jobs.values() if j.state is JobState.RUNNING and j.allocation is not None
+        watched = [j for j in self.active_jobs() if j.state is JobState.RUNNING and j.allocation is not None
                    and j.allocation.gpu_mem_mib is not None and j.id not in self._stops
                    and any(modes.get(u) == "timeslice" for u in j.allocation.uuids)]
         if not watched:
@@ -781,6 +788,10 @@ class Engine:
             self._active.add(job.id)
         else:
             self._active.discard(job.id)
+        if state is JobState.HELD and job.spec.after:
+            self._held_with_deps.add(job.id)
+        else:
+            self._held_with_deps.discard(job.id)
         if (state in WAITING_STATES) != (job.state in WAITING_STATES):
             self._count_waiting(job.uid, 1 if state in WAITING_STATES else -1)
         if state is JobState.PENDING and job.state is not JobState.PENDING:
@@ -803,7 +814,7 @@ class Engine:
     def _write_job_mapping(self) -> None:
         if self.config.job_mapping_dir is None:
             return
-        active = [j for j in self.jobs.values() if j.state in ACTIVE_STATES]
+        active = self.active_jobs()
         try:
             write_job_mapping(self.config.job_mapping_dir, job_mapping(self.inventory.gpus, active))
         except OSError as exc:

@@ -364,8 +364,8 @@ async def doctor(ctx: Context, req: DoctorRequest) -> DoctorResult:
 def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
     inventory = ctx.engine.inventory
     holders: dict[str, list[Job]] = {}
-    for job in ctx.engine.jobs.values():
-        if job.allocation is not None and job.state not in TERMINAL_STATES:
+    for job in ctx.engine.active_jobs():
+        if job.allocation is not None:
             for uuid in job.allocation.uuids:
                 holders.setdefault(uuid, []).append(job)
     out = []

@@ -1,0 +1,187 @@
+"""Submit path cost: throughput over the socket, submit->start latency, and the CLI's process time.
+
+Every ack means the job is committed to SQLite with synchronous=FULL, so a submit can never be
+cheaper than one durable commit. The baseline for throughput is that floor, measured in the same
+run on the same disk: one INSERT + COMMIT in WAL mode with synchronous=FULL. The ratio is then
+what protocol + daemon add on top of durability. The CLI's baseline is `python -c pass`: the part
+of `gpusched submit` that no client code can remove.
+
+    python bench/bench_api.py            # full run (~1 min on 2 cores)
+    python bench/bench_api.py --quick    # CI smoke (a few seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass
+
+import harness as h
+
+from gpusched.model import JobState
+from gpusched.protocol import WaitRequest, WaitResult
+from gpusched_cli.client import Client
+
+
+@dataclass
+class Sizes:
+    """How much work each phase does; --quick shrinks everything for the CI smoke."""
+
+    submits: int  # per throughput phase
+    latency_samples: int
+    cli_runs: int
+    clients: tuple[int, ...] = (1, 16, 64)
+
+
+FULL = Sizes(submits=3000, latency_samples=200, cli_runs=30)
+QUICK = Sizes(submits=300, latency_samples=20, cli_runs=4)
+
+
+def sqlite_floor(directory: str, n: int) -> float:
+    """Durable commits per second: one INSERT + COMMIT each, WAL, synchronous=FULL, on `directory`'s disk.
+
+    The row holds the same spec JSON the daemon stores, so the write size matches.
+    """
+    path = os.path.join(directory, "floor.db")
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, spec TEXT NOT NULL, at REAL NOT NULL)")
+        row = h.spec(["true"]).model_dump_json()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT INTO jobs (spec, at) VALUES (?, ?)", (row, time.time()))
+            db.execute("COMMIT")
+        return n / (time.perf_counter() - t0)
+    finally:
+        db.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.remove(path + suffix)
+
+
+def throughput(d: h.DaemonProc, sizes: Sizes) -> dict[int, float]:
+    """Submits/s per client count. Jobs queue behind a blocker, so no job process competes for CPU;
+    each phase's jobs are cancelled afterwards so every phase starts with an empty queue."""
+    rates: dict[int, float] = {}
+    job = h.spec(["true"], gpus=1)
+    for clients in sizes.clients:
+        elapsed, ids = h.submit_concurrently(d.socket, job, sizes.submits, clients)
+        rates[clients] = sizes.submits / elapsed
+        with Client(d.socket, timeout=120) as c:
+            h.cancel_all(c, ids)
+    return rates
+
+
+@dataclass
+class Latency:
+    ack: list[float]  # submit sent -> ack received
+    starting: list[float]  # submit sent -> STARTING committed (devices chosen)
+    running: list[float]  # submit sent -> RUNNING committed (process started)
+
+
+def latency(d: h.DaemonProc, samples: int) -> Latency:
+    """Submit `true` (1 GPU) to an idle node, one at a time, and read the transition times from its
+    history (the daemon stamps them with the same wall clock we read here)."""
+    out = Latency([], [], [])
+    job = h.spec(["true"], gpus=1)
+    with Client(d.socket, timeout=60) as c:
+        for _ in range(samples):
+            t0 = time.time()
+            job_id = h.submit_one(c, job)
+            out.ack.append(time.time() - t0)
+            done = c.call(WaitRequest(job_id=job_id, timeout_s=30), WaitResult)
+            if not done.finished:
+                raise RuntimeError(f"job {job_id} did not finish within 30 s: {done.job.state}")
+            at = {t.state: t.at for t in done.job.history}
+            out.starting.append(at[JobState.STARTING] - t0)
+            out.running.append(at[JobState.RUNNING] - t0)
+    return out
+
+
+def cli_times(d: h.DaemonProc, runs: int) -> dict[str, list[float]]:
+    """Whole-process wall time of `gpusched submit`, of importing the CLI, and of `python -c pass`.
+
+    Interleaved, so drift on a shared machine hits all three alike.
+    """
+    bindir = os.path.dirname(sys.executable)
+    gpusched = os.path.join(bindir, "gpusched")
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "python -c 'import gpusched_cli.main'": [sys.executable, "-c", "import gpusched_cli.main"],
+        "gpusched submit --gpus 1 -- true": [gpusched, "--socket", d.socket, "submit", "--gpus", "1", "--", "true"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, argv in commands.items():
+            times[name].append(h.time_process(argv))
+    return times
+
+
+def block_all_gpus(d: h.DaemonProc) -> int:
+    """A running `sleep 3600` on all 8 GPUs, so submitted jobs stay PENDING and spawn nothing."""
+    with Client(d.socket) as c:
+        return h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))
+
+
+def report(floor: float, rates: dict[int, float], lat: Latency, cli: dict[str, list[float]]) -> None:
+    print("submit throughput (durable acks over the socket; jobs stay pending behind a blocker)")
+    table = h.Table(["what", "per second", "ms each", "x slower than the floor"])
+    table.add("SQLite INSERT+COMMIT, WAL, synchronous=FULL (floor)", floor, 1000 / floor, 1.0)
+    for clients, rate in rates.items():
+        table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, floor / rate)
+    print(table.render())
+    print()
+    print(f"submit->start latency on an idle node ({len(lat.ack)} sequential jobs, `true` on 1 GPU)")
+    table = h.Table(["interval", "p50 ms", "p99 ms", "max ms"])
+    for name, values in (("submit -> ack", lat.ack), ("submit -> STARTING", lat.starting),
+                         ("submit -> RUNNING", lat.running)):
+        table.add(name, 1000 * h.median(values), 1000 * h.percentile(values, 99), 1000 * max(values))
+    print(table.render())
+    print()
+    print(f"whole-process time ({len(next(iter(cli.values())))} runs each, interleaved)")
+    base = h.median(cli["python -c pass"])
+    table = h.Table(["command", "p50 ms", "max ms", "x python -c pass"])
+    for name, values in cli.items():
+        table.add(name, 1000 * h.median(values), 1000 * max(values), h.median(values) / base)
+    print(table.render())
+    print()
+    print("ratios:")
+    for clients, rate in rates.items():
+        print(f"  submit throughput, {clients} clients: {rate:.0f}/s = floor / {floor / rate:.1f}")
+    print(f"  submit->RUNNING p50 {1000 * h.median(lat.running):.1f} ms, "
+          f"p99 {1000 * h.percentile(lat.running, 99):.1f} ms")
+    submit_p50 = h.median(cli["gpusched submit --gpus 1 -- true"])
+    print(f"  gpusched submit process p50 {1000 * submit_p50:.0f} ms = python -c pass x{submit_p50 / base:.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: a few hundred submits, few samples")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+
+    print(h.machine_line())
+    d = h.DaemonProc(h.short_tmpdir("gba-"))
+    try:
+        d.start()
+        os.makedirs(d.state_dir, exist_ok=True)
+        floor = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
+        lat = latency(d, sizes.latency_samples)  # first, while the node is idle
+        block_all_gpus(d)  # cleanup() kills it with the daemon
+        rates = throughput(d, sizes)
+        cli = cli_times(d, sizes.cli_runs)
+        print()
+        report(floor, rates, lat, cli)
+        return 0
+    finally:
+        d.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

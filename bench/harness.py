@@ -1,0 +1,286 @@
+"""Shared plumbing for the benchmark scripts: the real daemon as a child process, clients, figures.
+
+Benchmarks run `gpuschedd` as the real program (not in-process) so that what we measure is what
+users get: its own interpreter, uvloop, the socket, SQLite fsyncs, and /proc figures of one pid.
+Scripts import this as `harness` (the script's folder is first on sys.path when run as a file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from gpusched.model import JobSpec, WholeRequest
+from gpusched.protocol import (
+    CancelRequest,
+    CancelResult,
+    QueueRequest,
+    QueueResult,
+    SubmitRequest,
+    SubmitResult,
+)
+from gpusched_cli.client import Client
+
+T = TypeVar("T")
+
+# Root runs the benchmarks here and is exempt from the per-user limits; raising them keeps the
+# figures the same when an ordinary user runs the scripts (100k queued jobs, thousands of submits/s).
+CONFIG = ('allow_root_jobs = true\ncgroup_root = "off"\n'
+          "max_pending_per_user = 1000000\nsubmit_rate_per_user = 1000000.0\n")
+SIM = "H100-80GB:8"
+JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.01, what: str = "") -> T:
+    """Poll instead of sleeping a fixed time: benchmarks must not hide latency in sleeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def short_tmpdir(prefix: str) -> str:
+    """AF_UNIX paths are limited to 108 bytes, so keep the socket's folder short, under /tmp."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def spec(argv: Sequence[str], gpus: int = 1, cwd: str = "/tmp") -> JobSpec:
+    """A job spec with a small fixed environment, so figures do not depend on the caller's env."""
+    return JobSpec(argv=list(argv), cwd=cwd, env=dict(JOB_ENV), request=WholeRequest(gpus=gpus))
+
+
+@dataclass
+class DaemonProc:
+    """`python -m gpusched.daemon.main` as a child process in its own session."""
+
+    base: str
+    sim: str = SIM
+    proc: subprocess.Popen[bytes] | None = None
+    extra_config: str = ""
+
+    @property
+    def socket(self) -> str:
+        return os.path.join(self.base, "g.sock")
+
+    @property
+    def state_dir(self) -> str:
+        return os.path.join(self.base, "state")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start the daemon; returns seconds until its socket answers a hello."""
+        config = os.path.join(self.base, "gpusched.toml")
+        with open(config, "w") as f:
+            f.write(CONFIG + self.extra_config)
+        log = open(os.path.join(self.base, "daemon.log"), "ab")  # noqa: SIM115 - the child owns it
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
+             "--socket", self.socket, "--state-dir", self.state_dir],
+            stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        wait_until(self._answers, timeout, what=f"gpuschedd on {self.socket}")
+        return time.perf_counter() - t0
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"gpuschedd exited with {self.proc.returncode}: {self.log_tail()}")
+        try:
+            with Client(self.socket, timeout=5):
+                return True
+        except Exception:
+            return False
+
+    def terminate(self, timeout: float = 60.0) -> float:
+        """SIGTERM and wait; returns seconds until the process exited."""
+        assert self.proc is not None
+        t0 = time.perf_counter()
+        self.proc.terminate()
+        self.proc.wait(timeout)
+        return time.perf_counter() - t0
+
+    def log_tail(self) -> str:
+        with open(os.path.join(self.base, "daemon.log"), errors="replace") as f:
+            return f.read()[-3000:]
+
+    def cleanup(self) -> None:
+        """Kill the daemon and every job it started; remove the temp folder. Safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        kill_job_processes(self.state_dir)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def kill_job_processes(state_dir: str) -> None:
+    """Jobs outlive the daemon under their shims: SIGKILL each job's process group we recorded."""
+    jobs_dir = os.path.join(state_dir, "jobs")
+    if not os.path.isdir(jobs_dir):
+        return
+    for name in os.listdir(jobs_dir):
+        try:
+            with open(os.path.join(jobs_dir, name, "shim.json")) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError, TypeError):
+            os.killpg(int(info["pid"]), signal.SIGKILL)
+
+
+def submit_one(client: Client, job: JobSpec) -> int:
+    return client.call(SubmitRequest(spec=job), SubmitResult).job_id
+
+
+def submit_concurrently(socket_path: str, job: JobSpec, total: int, clients: int) -> tuple[float, list[int]]:
+    """`total` submits spread over `clients` threads, each on its own connection (connected first).
+
+    Returns (seconds from the first submit to the last ack, job ids). Threads, not processes:
+    each blocks in recv() while the daemon works, so the GIL is not what limits the rate.
+    """
+    per = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
+    conns = [Client(socket_path, timeout=120) for _ in range(clients)]
+    for c in conns:
+        c.connect()
+    ids: list[list[int]] = [[] for _ in range(clients)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(clients + 1)
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            ids[i] = [submit_one(conns[i], job) for _ in range(per[i])]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    if errors:
+        raise errors[0]
+    return elapsed, [j for chunk in ids for j in chunk]
+
+
+def cancel_all(client: Client, job_ids: Sequence[int], chunk: int = 10_000) -> None:
+    """Cancel in chunks (the protocol takes at most 10 000 ids per request)."""
+    for i in range(0, len(job_ids), chunk):
+        client.call(CancelRequest(job_ids=list(job_ids[i:i + chunk])), CancelResult)
+
+
+def queue_count(client: Client) -> int:
+    return len(client.call(QueueRequest(), QueueResult).jobs)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile; fine for the few hundred samples a benchmark takes."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = max(0, min(len(ordered) - 1, round(p / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def time_process(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
+    """Wall time of one whole process, start to exit; raises if it fails."""
+    t0 = time.perf_counter()
+    subprocess.run(list(argv), check=True, stdout=subprocess.DEVNULL, env=env)
+    return time.perf_counter() - t0
+
+
+# ---- /proc figures -------------------------------------------------------------------------------
+
+
+def rss_mib(pid: int) -> float:
+    """VmRSS of a process in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (not its children), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5), counted after the comm
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_percent(pid: int, window_s: float) -> float:
+    """CPU the process used over a quiet window, as % of one core."""
+    c0, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(window_s)  # the window itself is what we measure, so a fixed sleep is right here
+    return 100 * (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
+
+# ---- printing ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    """A plain fixed-width table: easy to read in CI logs and to paste into docs."""
+
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: object) -> None:
+        self.rows.append([c if isinstance(c, str) else fmt(c) for c in cells])
+
+    def render(self) -> str:
+        widths = [max(len(r[i]) for r in [self.headers, *self.rows]) for i in range(len(self.headers))]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in self.rows]
+        return "\n".join(lines)
+
+
+def fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "n/a"
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def machine_line() -> str:
+    """One line describing where the figures came from."""
+    mem_kib = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    return (f"machine: {os.cpu_count()} CPUs, {mem_kib / 1024 / 1024:.1f} GiB RAM, "
+            f"Python {sys.version.split()[0]}, {sys.platform}")

@@ -1,0 +1,50 @@
+"""Smoke runs of the benchmarks: each script runs with `--quick`, exits 0 and prints its figures.
+
+Benchmarks assert nothing about speed (figures live in bench/ and docs/benchmarks.md, not in tests);
+this only keeps the scripts from rotting. All three together take well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+
+
+def run_quick(script: str, *extra: str) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick", *extra],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_api_quick() -> None:
+    out = run_quick("bench_api.py")
+    assert "SQLite INSERT+COMMIT" in out
+    assert "gpusched submit, 16 concurrent clients" in out
+    assert "submit -> RUNNING" in out
+    assert "gpusched submit process p50" in out
+
+
+@pytest.mark.timeout(120)
+def test_bench_footprint_quick() -> None:
+    out = run_quick("bench_footprint.py")
+    assert "ratio vs empty @ 1000 queued" in out
+    assert "ratio vs empty @ 2000 queued" in out
+
+
+@pytest.mark.timeout(120)
+def test_bench_peers_quick() -> None:
+    """Peers that are not installed here are skipped by the script itself, which still exits 0."""
+    out = run_quick("bench_peers.py")
+    lines = [line for line in out.splitlines() if line.startswith(("gpusched ", "tsp ", "slurm "))]
+    assert [line.split()[0] for line in lines] == ["gpusched", "tsp", "slurm"]
+    assert "skipped" not in lines[0], out  # gpusched itself must always be measured
+    for line in lines[1:]:
+        assert "skipped" in line or line.split()[1].replace(".", "", 1).isdigit(), line
+    assert "ratios" in out or "SKIPPED" in out
