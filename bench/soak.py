@@ -3,7 +3,8 @@
 Runs the real `gpuschedd` on 8 simulated GPUs and keeps it busy for `--duration` seconds (default
 an hour) from a few client threads: short jobs that complete, jobs that are cancelled while pending
 or running, and queue/show/logs/stats queries. Every `--sample` seconds it records the daemon's RSS
-(VmRSS) and open file descriptors (/proc/PID/fd). At the end it prints the series and compares the
+(VmRSS) and open file descriptors (/proc/PID/fd); the traffic keeps at most 40 jobs unfinished, so
+the daemon is in a steady state. At the end it prints the series and compares the
 last quarter with the first (after a warm-up): RSS may not grow by more than 20% and the fd count by
 more than 8. Exit 0 when it did not grow, 1 when it did. Not part of CI (`--quick` is a 20 s smoke).
 
@@ -40,6 +41,7 @@ from gpusched.protocol import (
 from gpusched_cli.client import Client
 
 RSS_GROWTH_LIMIT = 0.20
+MAX_UNFINISHED = 40  # pending + running jobs the traffic keeps at most
 FD_GROWTH_LIMIT = 8
 
 
@@ -77,6 +79,10 @@ def traffic(socket_path: str, seed: int, stop: threading.Event, counters: Counte
             roll = rng.random()
             try:
                 if roll < 0.35:
+                    # Keep the queue bounded: a soak measures a steady state, not a growing backlog.
+                    if c.call(QueueRequest(limit=1), QueueResult).total >= MAX_UNFINISHED:
+                        counters.add("queries")
+                        continue
                     argv = ["true"] if rng.random() < 0.7 else ["sleep", f"{rng.uniform(0.1, 2.0):.2f}"]
                     mine.append(harness.submit_one(c, harness.spec(argv, gpus=rng.choice((1, 1, 1, 2)))))
                     counters.add("submitted")
@@ -97,8 +103,9 @@ def traffic(socket_path: str, seed: int, stop: threading.Event, counters: Counte
                     counters.add("queries")
             except ProtocolError as exc:
                 counters.errors.append(f"{exc.code}: {exc.message}")
-            del mine[:-200]  # keep cancel targets recent, and the list bounded
-            stop.wait(rng.uniform(0.0, 0.02))
+            finally:
+                del mine[:-200]  # keep cancel targets recent, and the list bounded
+                stop.wait(rng.uniform(0.0, 0.02))
 
 
 def main() -> int:

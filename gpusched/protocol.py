@@ -8,6 +8,7 @@ with a message naming both versions. See docs/protocol.md (kept in step by a tes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -228,7 +229,16 @@ Request = Annotated[
     | ShutdownRequest,
     Field(discriminator="op"),
 ]
-REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
+@functools.cache
+def request_adapter() -> TypeAdapter[Request]:
+    """The discriminated union of every request; built on first use (the CLI never parses requests)."""
+    return TypeAdapter(Request)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REQUEST_ADAPTER":  # kept as an attribute for tests and tools
+        return request_adapter()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- results -------------------------------------------------------------------------------------
@@ -530,7 +540,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
 def parse_request(obj: dict[str, Any]) -> Request:
     """Validate a request object; the error names the first bad field and what is wrong with it."""
     try:
-        return REQUEST_ADAPTER.validate_python(obj)
+        return request_adapter().validate_python(obj)
     except ValidationError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, describe_validation_error(exc)) from None
 
@@ -584,7 +594,7 @@ def check_version(peer: str) -> None:
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of every request and result; docs/protocol.md embeds it."""
-    requests = REQUEST_ADAPTER.json_schema(ref_template="#/$defs/{model}")
+    requests = request_adapter().json_schema(ref_template="#/$defs/{model}")
     results = {name: model.model_json_schema(ref_template="#/$defs/{model}") for name, model in RESULT_TYPES.items()}
     defs: dict[str, Any] = dict(requests.pop("$defs", {}))
     for schema in results.values():
