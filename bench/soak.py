@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -99,7 +100,7 @@ def traffic(socket_path: str, seed: int, stop: threading.Event, counters: Counte
                     c.call(LogsRequest(job_id=job_id), LogsResult)
                     counters.add("queries", 2)
                 else:
-                    c.call(StatsRequest(since_s=600), StatsResult)
+                    c.call(StatsRequest(since_s=60), StatsResult)  # a window that fills early in the run
                     counters.add("queries")
             except ProtocolError as exc:
                 counters.errors.append(f"{exc.code}: {exc.message}")
@@ -117,6 +118,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.duration, args.sample = 20.0, 2.0
+    # SIGTERM (a timeout, a `kill`) must still clean up the daemon and its jobs in `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     daemon = harness.DaemonProc(harness.short_tmpdir("gssoak-"))
     try:
