@@ -7,11 +7,8 @@ Scripts import this as `harness` (the script's folder is first on sys.path when 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -22,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from gpusched.daemon.executor import kill_recorded_jobs
 from gpusched.model import JobSpec, WholeRequest
 from gpusched.protocol import (
     CancelRequest,
@@ -134,19 +132,7 @@ class DaemonProc:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def kill_job_processes(state_dir: str) -> None:
-    """Jobs outlive the daemon under their shims: SIGKILL each job's process group we recorded."""
-    jobs_dir = os.path.join(state_dir, "jobs")
-    if not os.path.isdir(jobs_dir):
-        return
-    for name in os.listdir(jobs_dir):
-        try:
-            with open(os.path.join(jobs_dir, name, "shim.json")) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError, TypeError):
-            os.killpg(int(info["pid"]), signal.SIGKILL)
+kill_job_processes = kill_recorded_jobs  # jobs outlive the daemon under their shims
 
 
 def submit_one(client: Client, job: JobSpec) -> int:

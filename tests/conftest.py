@@ -24,6 +24,7 @@ import pytest
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon import main as daemon_main
+from gpusched.daemon.executor import kill_recorded_jobs
 from gpusched_cli.client import Client
 
 T = TypeVar("T")
@@ -120,24 +121,12 @@ def kill_job_processes(state_dir: str) -> None:
     """Tests must not leave jobs behind: SIGKILL every job process group recorded under state_dir,
     and every (simulated) MPS control daemon the daemon started there."""
     import glob
-    import json
 
     for pid_file in glob.glob(os.path.join(state_dir, "mps", "**", "nvidia-cuda-mps-control.pid"), recursive=True):
         with contextlib.suppress(OSError, ValueError), open(pid_file) as f:
             os.kill(int(f.read().strip()), signal.SIGKILL)
 
-    jobs_dir = os.path.join(state_dir, "jobs")
-    if not os.path.isdir(jobs_dir):
-        return
-    for name in os.listdir(jobs_dir):
-        try:
-            with open(os.path.join(jobs_dir, name, "shim.json")) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            continue
-        for key in ("pid",):
-            with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError):
-                os.killpg(int(info[key]), signal.SIGKILL)
+    kill_recorded_jobs(state_dir)
 
 
 @pytest.fixture

@@ -207,6 +207,25 @@ class Executor:
         return job_id in self._shims
 
 
+def kill_recorded_jobs(state_dir: str) -> None:
+    """SIGKILL the process group of every job whose shim recorded a pid under `state_dir`.
+
+    Jobs deliberately outlive the daemon; tests and benchmarks that start throw-away daemons use
+    this to leave nothing behind.
+    """
+    jobs_dir = os.path.join(state_dir, "jobs")
+    if not os.path.isdir(jobs_dir):
+        return
+    for name in os.listdir(jobs_dir):
+        try:
+            with open(os.path.join(jobs_dir, name, SHIM)) as f:
+                pid = int(json.load(f)["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def _read_line_and_close(fd: int) -> bytes:
     """The shim's one report line (blocking; run in a thread). Empty if it died first."""
     with os.fdopen(fd, "rb") as pipe:
