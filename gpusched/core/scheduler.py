@@ -599,7 +599,7 @@ class Scheduler:
         if not self.fair.is_eligible(job.user):
             standing += " (not eligible until others catch up)"
         parts = [f"job {job_id} ({describe_request(job.spec.request)}, {job.spec.job_class})"]
-        parts.append(self._blocked.get(job_id, "waiting for the next scheduling pass"))
+        parts.append(self._blocked.get(job_id, "waiting behind the jobs ahead of it by fairness"))
         parts.append(standing)
         parts.append(f"{ahead} job(s) ahead by fairness")
         res = self._reservation
