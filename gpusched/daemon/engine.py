@@ -32,11 +32,18 @@ from gpusched.core.scheduler import (
     StartJob,
     unsatisfiable_reason,
 )
-from gpusched.daemon.cgroups import CgroupError, CgroupManager, JobLimits
+from gpusched.daemon.cgroups import CgroupError, CgroupManager
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
-from gpusched.daemon.doctor import session_of
-from gpusched.daemon.executor import Executor, ExitStatus, Identity
+from gpusched.daemon.executor import Executor, ExitStatus
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
+from gpusched.daemon.launch import (
+    allocation_env,
+    cpu_and_memory_limits,
+    gpu_memory_by_job,
+    identity,
+    job_env,
+    mps_control_binary,
+)
 from gpusched.daemon.metrics import Metrics, pending_since
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
@@ -557,17 +564,17 @@ class Engine:
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
         try:
-            added = self._allocation_env(job, action.allocation) | await self._mps_env(action.allocation)
+            added = allocation_env(job, action.allocation, self.config) | await self._mps_env(action.allocation)
         except GpuError as exc:
             self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
             return
         allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
         job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
         try:
-            who = self._identity(job)
-            cgroup, cpuset = self._limits(job, allocation)
-            env = _login_defaults(job) | dict(job.spec.env) | added  # `--export NONE` still gets a login env
-            started = await self.executor.start(job.id, job.spec.argv, job.spec.cwd, env, who, cgroup, cpuset)
+            who = identity(job)
+            cgroup, cpuset = cpu_and_memory_limits(job, allocation, self.inventory, self.cgroups)
+            started = await self.executor.start(job.id, job.spec.argv, job.spec.cwd, job_env(job, added), who,
+                                                cgroup, cpuset)
         except (OSError, KeyError, CgroupError) as exc:
             self._set(job, JobState.FAILED, f"could not launch: {exc}", ended_at=self.clock())
             return
@@ -580,30 +587,6 @@ class Engine:
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
         self._spawn(self._reap(job.id))
-
-    def _limits(self, job: Job, allocation: Allocation) -> tuple[str | None, tuple[int, ...]]:
-        """The job's cgroup (with memory, CPU and cpuset limits) or, without one, a CPU affinity."""
-        gpu_indices = {d.gpu_index for d in allocation.devices}
-        usable = os.sched_getaffinity(0)
-        near = {c for g in self.inventory.gpus if g.index in gpu_indices for c in g.cpu_affinity}
-        # Only CPUs we may use count (a cgroup-restricted daemon, or simulated GPUs whose topology
-        # names CPUs this machine lacks); with none of the near ones usable, use them all.
-        pool = tuple(sorted(near & usable or usable))
-        if self.cgroups is not None:
-            mem = job.spec.mem_mib * 2**20 if job.spec.mem_mib else None
-            return self.cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=pool)), ()
-        # No cgroup: pin to CPUs near the GPU, and to at most --cpus of them (memory is not enforced).
-        return None, pool[: job.spec.cpus] if job.spec.cpus else pool
-
-    def _identity(self, job: Job) -> Identity:
-        if os.geteuid() != 0:
-            return Identity(job.uid, job.gid, (), drop=False)
-        try:
-            name = pwd.getpwuid(job.uid).pw_name
-            groups = tuple(os.getgrouplist(name, job.gid))
-        except KeyError:
-            groups = (job.gid,)  # a uid with no passwd entry still runs, with its primary group
-        return Identity(job.uid, job.gid, groups, drop=True)
 
     def _release_mps(self, ended: Job) -> None:
         """Quit a device's MPS control daemon once its last share has ended (a later share restarts it)."""
@@ -631,16 +614,6 @@ class Engine:
         daemon = await asyncio.to_thread(self.mps.ensure, uuid)
         percent = max(1, min(100, round(allocation.share * 100)))
         return daemon.client_env(percent, allocation.gpu_mem_mib)
-
-    def _allocation_env(self, job: Job, allocation: Allocation) -> dict[str, str]:
-        """What gpusched adds to the job's environment for this allocation."""
-        env = dict(allocation.env)
-        if self.config.cuda_device_max_connections is not None:
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(self.config.cuda_device_max_connections)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)
-        env["GPUSCHED_JOB_ID"] = str(job.id)
-        env["GPUSCHED_ALLOCATION"] = allocation.model_dump_json(exclude={"env"})
-        return env
 
     async def _reap(self, job_id: int) -> None:
         status = await self.executor.wait(job_id)
@@ -862,44 +835,6 @@ class Engine:
         except KeyError:
             return False
         return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
-
-
-def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job]) -> dict[int, int]:
-    """MiB of GPU memory each job's processes use, per NVML (a process belongs to the job whose
-    session it is in: every job is a session leader). Blocking: run it off the loop."""
-    by_session = {j.pid: j.id for j in jobs if j.pid}
-    devices = {u for j in jobs if j.allocation is not None for u in j.allocation.uuids}
-    used: dict[int, int] = {}
-    for uuid in devices:
-        try:
-            procs = backend.processes(uuid)
-        except GpuError:
-            continue
-        for p in procs:
-            job_id = by_session.get(session_of(p.pid) or -1)
-            if job_id is not None and p.used_memory_bytes is not None:
-                used[job_id] = used.get(job_id, 0) + p.used_memory_bytes // 2**20
-    return used
-
-
-def mps_control_binary(config: DaemonConfig) -> str:
-    """The configured MPS control program; on simulated GPUs, the simulated one (gpu/simmps.py)."""
-    if config.mps_control is not None:
-        return config.mps_control
-    if config.sim:
-        from gpusched.gpu import simmps
-
-        return simmps.__file__
-    return "nvidia-cuda-mps-control"
-
-
-def _login_defaults(job: Job) -> dict[str, str]:
-    try:
-        entry = pwd.getpwuid(job.uid)
-    except KeyError:
-        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "USER": job.user, "LOGNAME": job.user}
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": entry.pw_dir, "USER": entry.pw_name,
-            "LOGNAME": entry.pw_name, "SHELL": entry.pw_shell or "/bin/sh"}
 
 
 def run_seconds(job: Job, now: float) -> float:

@@ -17,7 +17,8 @@ from gpusched.config import ConfigError
 from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
-from gpusched.daemon.engine import Engine, gpu_memory_by_job
+from gpusched.daemon.engine import Engine
+from gpusched.daemon.launch import gpu_memory_by_job
 from gpusched.gpu.backend import GpuError
 from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, describe_request
 from gpusched.protocol import (
