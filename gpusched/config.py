@@ -96,6 +96,11 @@ class SchedulerSection(BaseModel):
     backfill_unknown_horizon_s: float = Field(
         default=3600.0, ge=0, description="longest --time a job may have to backfill when the head's start is unknown"
     )
+    reserve_after_s: float = Field(
+        default=0.0, ge=0, description="the next job by fairness holds its future devices against jobs without a "
+        "--time only once it has waited this long; 0: at once (strict). A positive value keeps GPUs busy when "
+        "running jobs have no time limits, at the price of a bounded extra wait for the head",
+    )
     max_scan: int = Field(default=2000, ge=1, description="pending jobs examined per pass once the fairness head "
                           "is blocked")
     per_user_scan: int = Field(default=8, ge=1, description="jobs of one user examined for backfill per pass")

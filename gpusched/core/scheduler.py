@@ -126,6 +126,10 @@ class SchedulerConfig:
     preempt_max_per_job: int = 1  # a job is preempted at most this often, so every job finishes
     backfill: bool = True
     backfill_unknown_horizon_s: float = 3600.0  # max time limit to backfill when the head's start is unknown
+    # The head's reservation holds back jobs that would use its devices (and cannot prove they end in
+    # time) only once the head has waited this long; 0 = at once (conservative). A positive value
+    # trades a bounded extra wait for the head against keeping GPUs busy when nothing has a limit.
+    reserve_after_s: float = 0.0
     max_scan: int = 2000  # pending jobs examined per pass once the fairness head is blocked
     per_user_scan: int = 8  # jobs of one user examined for backfill per pass
     max_mig_demand: int = 16  # blocked MIG jobs turned into creation demand per pass
@@ -486,6 +490,10 @@ class Scheduler:
             return True, f"backfill: job {res.job_id}, next by fairness, does not wait for running jobs"
         if not (set(alloc.uuids) & res.uuids):
             return True, f"backfill: uses no device reserved for job {res.job_id}"
+        head_waited = now - self._pending_since.get(res.job_id, now)
+        if head_waited < self.config.reserve_after_s:
+            return True, (f"backfill: job {res.job_id}, next by fairness, has waited {head_waited:.0f} s, less than "
+                          f"reserve_after_s = {self.config.reserve_after_s:.0f} s")
         if math.isfinite(res.at):
             if limit is not None and now + limit <= res.at:
                 return True, f"backfill: time limit ends before job {res.job_id}'s reserved start"

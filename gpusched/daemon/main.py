@@ -129,6 +129,7 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
         preempt_max_per_job=config.scheduler.preempt_max_per_job,
         backfill=config.scheduler.backfill,
         backfill_unknown_horizon_s=config.scheduler.backfill_unknown_horizon_s,
+        reserve_after_s=config.scheduler.reserve_after_s,
         max_scan=config.scheduler.max_scan,
         per_user_scan=config.scheduler.per_user_scan,
         max_mig_demand=config.scheduler.max_mig_demand,

@@ -134,6 +134,36 @@ def test_the_heads_own_user_backfills_onto_devices_the_head_cannot_use() -> None
     assert "next by fairness" in n.sched.explain(2)
 
 
+def _untimed_head_node(reserve_after_s: float) -> Node:
+    """GPU 0 runs an untimed job; alice's 2-GPU head can only start after it, at an unknown time."""
+    fair = FairnessConfig(weights={"alice": 10_000})
+    s = Scheduler(SchedulerConfig(fairness=fair, reserve_after_s=reserve_after_s), incremental=True)
+    n = Node(s, [gpu(0), gpu(1)])
+    n.submit(job(10, "zed"), 100_000)  # no time limit: nobody knows when GPU 0 frees up
+    n.step()
+    n.submit(job(1, "alice", gpus=2), 100)
+    return n
+
+
+def test_strict_reservation_keeps_untimed_jobs_off_the_heads_devices() -> None:
+    n = _untimed_head_node(reserve_after_s=0)
+    n.now = 10
+    n.submit(job(2, "bob"), 50)  # no time limit: could hold GPU 1 for ever
+    assert _starts(n.step()) == []
+    assert "only jobs with a time limit" in n.sched.explain(2)
+
+
+def test_reserve_after_lets_untimed_jobs_backfill_until_the_head_has_waited_long_enough() -> None:
+    n = _untimed_head_node(reserve_after_s=600)
+    n.now = 10
+    n.submit(job(2, "bob"), 50)
+    assert _starts(n.step()) == [2]  # the head has waited 10 s < 600 s: GPU 1 is not left idle
+    n.run_until(700)  # job 2 ended at 60; the head has now waited 700 s
+    n.submit(job(3, "bob"), 50)
+    assert _starts(n.step()) == []  # now the reservation holds
+    assert "waiting behind job 1" in n.sched.explain(3)
+
+
 def test_no_backfill_when_disabled() -> None:
     n = _head_blocked_node(backfill=False)
     n.submit(job(2, "bob", time_limit=5), 5)
