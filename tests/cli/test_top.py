@@ -14,21 +14,10 @@ import pytest
 
 from gpusched.config import GpuConfig
 from gpusched.model import JobState
-from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, TopSnapshot, WatchRequest, decode_body, encode_frame
+from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, TopSnapshot, WatchRequest, encode_frame
 from tests.cli.test_commands import gs, submit, wait_state
 from tests.conftest import DaemonHandle, wait_until
-
-
-def _read(s: socket.socket) -> dict[str, object]:
-    def exactly(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "closed"
-            buf += chunk
-        return buf
-
-    return decode_body(exactly(int.from_bytes(exactly(4), "big")))
+from tests.integration.test_daemon import _read
 
 
 def test_watch_pushes_a_new_snapshot_when_something_changes(daemon: DaemonHandle) -> None:
