@@ -9,12 +9,14 @@ Units: service is GPU-seconds (compute fraction x wall seconds). Virtual runtime
 weight-averaged `v` of *active* users (work queued or running). Lag in service units is
 `weight * (V - v) / 100`: positive means "owed", negative means "above share".
 
-GPU jobs run for hours, so a start commits much more service than a CPU slice does. We therefore
-rank on a *projected* virtual runtime `vhat = v + rate * horizon * 100 / weight` (rate = sum of the
-compute fractions the user runs now, horizon = the batch quantum): a user who just started eight
-jobs stops being eligible in the same pass, instead of taking every free GPU because their charged
-`v` has not moved yet. `vhat - v` is bounded by capacity x horizon, so long-run shares still follow
-the charged `v` alone.
+GPU jobs run for hours, so a start commits much more service than a CPU slice does, and charging
+only as time passes makes whoever just finished look most owed: weights would act only on jobs
+longer than the accounting horizon. So a start *commits* the job's expected service at once (the
+scheduler calls `charge` with a virtual amount: fraction x min(estimate, commit_max_s)), the
+running job is charged only what it uses beyond that, and when it ends or is preempted the charge
+is reconciled with what it really used (a refund when it ended early). `v` is therefore "service
+used or committed", eligibility is plain EEVDF (`v <= V`), and a user who just started eight jobs
+stops being eligible in the same pass. Weights hold at every job length (docs/scheduling.md).
 
 Pure: no clocks; callers pass service amounts and decide when to charge.
 """
@@ -48,6 +50,7 @@ class FairnessConfig:
     batch_quantum_s: float = 3600.0  # request length a batch job's deadline is computed with
     interactive_quantum_s: float = 300.0  # shorter request => earlier deadline, same share
     lag_limit_gpu_s: float = 8 * 3600.0  # |lag| kept across idle periods, GPU-seconds at weight 100
+    commit_max_s: float = 3600.0  # most of a job's expected run time charged when it starts
 
     def __post_init__(self) -> None:
         for name, w in [("default_weight", self.default_weight), *self.weights.items(),
@@ -58,6 +61,8 @@ class FairnessConfig:
             raise ValueError("quanta must be positive")
         if self.lag_limit_gpu_s < 0:
             raise ValueError("lag_limit_gpu_s must be >= 0")
+        if self.commit_max_s < 0:
+            raise ValueError("commit_max_s must be >= 0")
 
     def quantum(self, job_class: str) -> float:
         """Request length (seconds) used for the virtual deadline of a job of this class."""
@@ -75,8 +80,7 @@ class _User:
     weight: float
     v: float = 0.0
     vlag: float = 0.0  # saved V - v while idle (clamped); 0 for a new user
-    service: float = 0.0  # GPU-seconds charged, ever
-    rate: float = 0.0  # compute fraction running now
+    service: float = 0.0  # GPU-seconds really used, ever (commitments are not service)
     active: bool = False
 
 
@@ -94,7 +98,6 @@ class FairShare:
         self._users: dict[str, _User] = {}
         self._sum_w = 0.0  # Σ w over active users
         self._sum_wv = 0.0  # Σ w·v over active users
-        self._sum_rate = 0.0  # Σ rate over active users
         self._v_idle = 0.0  # V when the active set last went empty: where the next joiner lands
         self._updates = 0
         self._group_active_w: dict[str, float] = {}  # group -> Σ base weight of active members
@@ -142,17 +145,6 @@ class FairShare:
         """Σ effective weight of active users (0 when nobody is active)."""
         return self._sum_w
 
-    def Vhat(self) -> float:
-        """V over projected runtimes: V + horizon·100·Σrate/Σw."""
-        if self._sum_w <= 0:
-            return self._v_idle
-        return (self._sum_wv + self._sum_rate * self.config.batch_quantum_s * NICE0_WEIGHT) / self._sum_w
-
-    def vhat(self, user: str) -> float:
-        """Projected virtual runtime: charged v plus one horizon of what the user runs now."""
-        u = self._users[user]
-        return u.v + u.rate * self.config.batch_quantum_s * NICE0_WEIGHT / u.weight
-
     def v(self, user: str) -> float:
         return self._users[user].v
 
@@ -165,19 +157,28 @@ class FairShare:
         return vlag * u.weight / NICE0_WEIGHT
 
     def is_eligible(self, user: str) -> bool:
-        """EEVDF eligibility on projected runtimes: vhat <= Vhat (projected lag >= 0)."""
+        """EEVDF eligibility: v <= V (lag >= 0). v includes what running jobs have committed."""
         u = self._users.get(user)
         if u is None or not u.active:
             return True  # a joiner lands at lag 0
-        return self.vhat(user) <= self.Vhat() + 1e-9
+        return u.v <= self.V() + 1e-9
 
-    def deadline(self, user: str, fraction: float, job_class: str) -> float:
-        """Virtual deadline of the user's next request: vhat + fraction·quantum·100/w.
+    def deadline(self, user: str, fraction: float, request_s: float) -> float:
+        """Virtual deadline of the user's next request: v + fraction·request_s·100/w.
 
-        The quantum is shorter for interactive jobs, so they go earlier without a larger share.
+        `request_s` is the job's expected length capped by its class quantum (`request_length`), so
+        short and interactive jobs go earlier without a larger share: EEVDF's request size.
         """
         u = self._users[user]
-        return self.vhat(user) + fraction * self.config.quantum(job_class) * NICE0_WEIGHT / u.weight
+        return u.v + fraction * request_s * NICE0_WEIGHT / u.weight
+
+    def request_length(self, expected_s: float, job_class: str) -> float:
+        """The request size behind a deadline: the expected run time, at most the class quantum."""
+        return min(expected_s, self.config.quantum(job_class))
+
+    def commitment(self, fraction: float, expected_s: float) -> float:
+        """Service (GPU-s) a start commits at once: fraction x min(expected run time, commit_max_s)."""
+        return fraction * min(max(expected_s, 0.0), self.config.commit_max_s)
 
     def is_active(self, user: str) -> bool:
         u = self._users.get(user)
@@ -217,7 +218,6 @@ class FairShare:
         u.active = True
         self._sum_w += w
         self._sum_wv += w * u.v
-        self._sum_rate += u.rate
 
     def deactivate(self, user: str) -> None:
         """No more work queued or running: save the clamped lag so idling neither earns nor erases."""
@@ -229,11 +229,10 @@ class FairShare:
         u.vlag = max(-limit, min(limit, self.V() - u.v))
         self._sum_w -= u.weight
         self._sum_wv -= u.weight * u.v
-        self._sum_rate -= u.rate
         u.active = False
         if self._sum_w <= 1e-12:
             self._v_idle = u.v + u.vlag  # = V just before the last active user left
-            self._sum_w = self._sum_wv = self._sum_rate = 0.0
+            self._sum_w = self._sum_wv = 0.0
         if u.group is not None:
             self._regroup(u.group, u, joining=False)
 
@@ -254,27 +253,23 @@ class FairShare:
                 self._sum_wv += (new_w - m.weight) * m.v
             m.weight = max(new_w, 1e-6)
 
-    def set_rate(self, user: str, rate: float) -> None:
-        """The compute fraction the user runs now (sum over their active jobs)."""
-        u = self._user(user)
-        if u.active:
-            self._sum_rate += rate - u.rate
-        u.rate = rate
-
-    def charge(self, user: str, service_gpu_s: float) -> None:
-        """Account `service_gpu_s` GPU-seconds: v += service·100/w."""
-        if service_gpu_s <= 0:
+    def charge(self, user: str, service_gpu_s: float, *, virtual_gpu_s: float | None = None) -> None:
+        """Account `service_gpu_s` GPU-seconds really used, and move v by `virtual_gpu_s` of them
+        (default: the same). A start passes service 0 and its commitment as the virtual part; the
+        reconciliation at the end passes a negative virtual part when the job used less."""
+        virtual = service_gpu_s if virtual_gpu_s is None else virtual_gpu_s
+        if service_gpu_s <= 0 and virtual == 0:
             return
         u = self._user(user)
-        dv = service_gpu_s * NICE0_WEIGHT / u.weight
+        u.service += max(0.0, service_gpu_s)
+        dv = virtual * NICE0_WEIGHT / u.weight
         u.v += dv
-        u.service += service_gpu_s
         if u.active:
             self._sum_wv += u.weight * dv
         else:
-            # Charged while idle (a job ended between passes): it is debt all the same.
+            # Charged while idle (a job ended between passes): debt or refund all the same, clamped.
             limit = self._lag_limit_v(u.weight)
-            u.vlag = max(-limit, u.vlag - dv)
+            u.vlag = max(-limit, min(limit, u.vlag - dv))
         self._bump()
 
     def _bump(self) -> None:
@@ -284,23 +279,28 @@ class FairShare:
             act = [u for u in self._users.values() if u.active]
             self._sum_w = sum(u.weight for u in act)
             self._sum_wv = sum(u.weight * u.v for u in act)
-            self._sum_rate = sum(u.rate for u in act)
 
     # ---- persistence ---------------------------------------------------------------------
-    def export_standing(self) -> dict[str, dict[str, float]]:
+    def export_standing(self, refunds: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
         """Plain data the daemon persists: per user the lag (GPU-s, clamped), v and total service.
 
         Absolute v only matters relative to V, so `lag` is what `load_standing` restores.
+        `refunds` (user -> GPU-s committed by running jobs and not yet used) is settled in what is
+        exported, as if those jobs ended now.
         """
+        back = {name: r * NICE0_WEIGHT / self._users[name].weight
+                for name, r in (refunds or {}).items() if name in self._users and r > 0}
+        sum_back = sum(self._users[n].weight * dv for n, dv in back.items() if self._users[n].active)
+        V = (self._sum_wv - sum_back) / self._sum_w if self._sum_w > 0 else self._v_idle
         out: dict[str, dict[str, float]] = {}
-        V = self.V()
         for name, u in self._users.items():
-            vlag = (V - u.v) if u.active else u.vlag
+            v = u.v - back.get(name, 0.0)
+            vlag = (V - v) if u.active else u.vlag + back.get(name, 0.0)
             limit = self._lag_limit_v(u.weight)
             vlag = max(-limit, min(limit, vlag))
             out[name] = {
                 "lag": vlag * u.weight / NICE0_WEIGHT,
-                "v": u.v,
+                "v": v,
                 "service": u.service,
                 "uid": float(u.uid) if u.uid is not None else -1.0,
             }

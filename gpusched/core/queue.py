@@ -1,4 +1,5 @@
-"""The runnable queue: users ordered by virtual deadline, each user's jobs by (nice, submission).
+"""The runnable queue: users ordered by virtual deadline, each user's jobs by (nice, expected run time,
+submission).
 
 Two levels because fairness is between users, not jobs: a user with 10,000 queued jobs is one
 entry in the user order, so the cost of a pick depends on the number of users with work, not on
@@ -9,12 +10,16 @@ deadline; if no waiting user is eligible (the owed users are all running), the e
 anyway, so a free GPU is never left idle for bookkeeping reasons. Finding the first eligible user
 scans the deadline order; the kernel avoids the scan with a min-v augmented tree, we accept it
 because users with work number in the hundreds, and ineligible users sort late (their deadline
-starts from a larger projected runtime).
+starts from a larger virtual runtime).
+
+Within a user, shorter expected jobs go first (shortest-expected-first lowers the user's own mean
+wait without changing their share). A job's expected run time is fixed when it enters the queue,
+so its place cannot shift under it while it waits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from sortedcontainers import SortedList
@@ -22,13 +27,13 @@ from sortedcontainers import SortedList
 from gpusched.core.fairshare import NICE0_WEIGHT, FairShare
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
-JobKey = tuple[int, float, int]  # (nice, submitted_at, id)
+JobKey = tuple[int, float, float, int]  # (nice, expected run time, submitted_at, id)
 UserKey = tuple[float, str]  # (virtual deadline, user)
 
 
-def job_key(job: Job) -> JobKey:
-    """Order within a user: lower nice first, then submission order (id breaks ties)."""
-    return (job.spec.nice, job.submitted_at, job.id)
+def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
+    """Order within a user: lower nice first, then shorter expected, then submission (id breaks ties)."""
+    return (job.spec.nice, expected_s, job.submitted_at, job.id)
 
 
 def request_fraction(request: WholeRequest | MigRequest | ShareRequest, mig_fraction: float = 1.0 / 7) -> float:
@@ -53,9 +58,11 @@ class _UserQueue:
 class RunQueue:
     """Pending jobs. The scheduler owns activation in FairShare; this class owns order only."""
 
-    def __init__(self, fair: FairShare) -> None:
+    def __init__(self, fair: FairShare, expected: Callable[[Job], float] | None = None) -> None:
         self.fair = fair
+        self._expected_of = expected or (lambda job: fair.config.batch_quantum_s)
         self._jobs: dict[int, Job] = {}
+        self._keys: dict[int, JobKey] = {}
         self._users: dict[str, _UserQueue] = {}
         self._order: SortedList = SortedList()  # of UserKey
         self._parked: set[str] = set()
@@ -85,19 +92,21 @@ class RunQueue:
         if uq is None:
             return
         for key in uq.jobs:
-            yield self._jobs[key[2]]
+            yield self._jobs[key[3]]
 
     def submit(self, job: Job) -> None:
         """Add a pending job (idempotent: a job already held is replaced)."""
         if job.id in self._jobs:
             self.remove(job.id)
         self._jobs[job.id] = job
+        key = job_key(job, self._expected_of(job))
+        self._keys[job.id] = key
         uq = self._users.get(job.user)
         if uq is None:
             uq = _UserQueue(SortedList())
             self._users[job.user] = uq
         head_before = uq.jobs[0] if uq.jobs else None
-        uq.jobs.add(job_key(job))
+        uq.jobs.add(key)
         if head_before is None or uq.jobs[0] != head_before:
             self.rekey(job.user)
 
@@ -107,7 +116,7 @@ class RunQueue:
         if job is None:
             return None
         uq = self._users[job.user]
-        key = job_key(job)
+        key = self._keys.pop(job_id)
         was_head = uq.jobs[0] == key
         uq.jobs.remove(key)
         if not uq.jobs:
@@ -119,9 +128,13 @@ class RunQueue:
             self.rekey(job.user)
         return job
 
+    def expected(self, job_id: int) -> float:
+        """The expected run time a queued job was filed with."""
+        return self._keys[job_id][1]
+
     def head(self, user: str) -> Job | None:
         uq = self._users.get(user)
-        return self._jobs[uq.jobs[0][2]] if uq is not None and uq.jobs else None
+        return self._jobs[uq.jobs[0][3]] if uq is not None and uq.jobs else None
 
     # ---- order ---------------------------------------------------------------------------
     def deadline_of(self, user: str) -> float:
@@ -129,7 +142,12 @@ class RunQueue:
         head = self.head(user)
         if head is None:
             return float("inf")
-        return self.fair.deadline(user, request_fraction(head.spec.request), head.spec.job_class)
+        return self._deadline(user, head, self.fair.v(user))
+
+    def _deadline(self, user: str, job: Job, v: float) -> float:
+        fair = self.fair
+        request_s = fair.request_length(self.expected(job.id), job.spec.job_class)
+        return v + request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
 
     def rekey(self, user: str) -> None:
         """Recompute a user's place after their v, rate, weight or head job changed. O(log n)."""
@@ -142,7 +160,7 @@ class RunQueue:
         if user in self._parked:
             return
         if not self.fair.is_active(user):
-            self.fair.activate(user, self._jobs[uq.jobs[0][2]].uid)
+            self.fair.activate(user, self._jobs[uq.jobs[0][3]].uid)
         uq.key = (self.deadline_of(user), user)
         self._order.add(uq.key)
 
@@ -176,49 +194,43 @@ class RunQueue:
     def ordered_jobs(self, limit: int | None = None) -> list[int]:
         """Pending job ids in the order they would be served if each started at once.
 
-        Simulates the pass: the picked user's projected runtime advances by the job's fraction over
-        one horizon (as a start would), which moves their deadline and Vhat. O(n log u).
+        Replays the pass's picks: a start commits the job's expected service to its user's v (as
+        `Scheduler` does), which moves their deadline and V. So while nothing else changes, this is
+        exactly the order of the next starts. O(n log u).
         """
         fair = self.fair
-        h = fair.config.batch_quantum_s * NICE0_WEIGHT
-        sum_w = max(fair.total_weight(), 1e-12)
-        vhat_sum = fair.Vhat() * sum_w  # Σ w·vhat over active users
-        extra: dict[str, float] = {}  # user -> added projected v
+        sum_w = fair.total_weight()
+        wv_sum = fair.V() * sum_w  # Σ w·v over active users
+        v: dict[str, float] = {}
         pos: dict[str, int] = {}
-        keys: list[list[JobKey]] = []
+        keys: dict[str, list[JobKey]] = {}
         order: SortedList = SortedList()
-        index: dict[str, int] = {}
         for user, uq in self._users.items():
-            index[user] = len(keys)
-            keys.append(list(uq.jobs))
+            keys[user] = list(uq.jobs)
             pos[user] = 0
+            v[user] = fair.v(user) if fair.is_active(user) else fair.V()
             order.add((self.deadline_of(user), user))
         out: list[int] = []
         while order and (limit is None or len(out) < limit):
-            V = vhat_sum / sum_w
+            V = wv_sum / sum_w if sum_w > 0 else fair.V()
             chosen = None
             for entry in order:
-                u = entry[1]
-                if fair.vhat(u) + extra.get(u, 0.0) <= V + 1e-9 or not fair.is_active(u):
+                if v[entry[1]] <= V + 1e-9:
                     chosen = entry
                     break
             if chosen is None:
                 chosen = order[0]
             order.remove(chosen)
             user = chosen[1]
-            ks = keys[index[user]]
-            job = self._jobs[ks[pos[user]][2]]
+            ks = keys[user]
+            job = self._jobs[ks[pos[user]][3]]
             out.append(job.id)
             pos[user] += 1
             w = fair.weight(user)
-            dv = request_fraction(job.spec.request) * h / w
-            extra[user] = extra.get(user, 0.0) + dv
+            dv = fair.commitment(request_fraction(job.spec.request), self.expected(job.id)) * NICE0_WEIGHT / w
+            v[user] += dv
             if fair.is_active(user):
-                vhat_sum += w * dv
+                wv_sum += w * dv
             if pos[user] < len(ks):
-                nxt = self._jobs[ks[pos[user]][2]]
-                d = (fair.vhat(user) + extra[user]
-                     + request_fraction(nxt.spec.request) * fair.config.quantum(nxt.spec.job_class)
-                     * NICE0_WEIGHT / w)
-                order.add((d, user))
+                order.add((self._deadline(user, self._jobs[ks[pos[user]][3]], v[user]), user))
         return out

@@ -19,11 +19,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpusched.core.estimate import Estimate, EstimatorConfig, RuntimeEstimator
 from gpusched.core.fairshare import FairnessConfig, FairShare
 from gpusched.core.migplan import MigPolicy, plan_dynamic
 from gpusched.core.placement import Cluster
 from gpusched.core.placement import unsatisfiable_reason as _unsatisfiable_reason
-from gpusched.core.queue import RunQueue
+from gpusched.core.queue import RunQueue, request_fraction
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
     ACTIVE_STATES,
@@ -68,6 +69,7 @@ class StartJob:
     job_id: int
     allocation: Allocation
     reason: str
+    expected_s: float | None = None  # the run-time estimate it was scheduled with (None: the policy has none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,7 @@ class SchedulerConfig:
 
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
     mig: MigPolicy = field(default_factory=MigPolicy)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     preempt_after_s: float | None = 1800.0  # None: never preempt
     preempt_min_gain_s: float = 300.0  # preempt only if the job would otherwise wait longer than this
     preempt_min_run_s: float = 600.0  # a job runs at least this long before it may be preempted
@@ -137,16 +140,24 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class _Active:
-    """A job holding devices: whom to charge, at what rate, since when, and when it should end."""
+    """A job holding devices: whom to charge, at what rate, since when, and what it committed.
+
+    `committed` is the virtual service charged when it started (fairshare's commitment); `used` is
+    the service it has really used. v moves by `committed` at the start and by whatever `used`
+    exceeds it while it runs; the end settles the difference (fairshare.py, "commits").
+    """
 
     user: str
     uid: int
     fraction: float
     last_charge: float
     running: bool
-    end: float  # started + time limit, inf when unknown
     requeue: bool
     started: float
+    job: Job
+    predicted: float  # expected run time when it started
+    committed: float = 0.0
+    used: float = 0.0
 
 
 @dataclass(slots=True)
@@ -175,7 +186,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, *, incremental: bool = False) -> None:
         self.config = config or SchedulerConfig()
         self.fair = FairShare(self.config.fairness)
-        self.queue = RunQueue(self.fair)
+        self.estimator = RuntimeEstimator(self.config.estimator)
+        self.queue = RunQueue(self.fair, expected=self.estimator.predict)
         self.incremental = incremental
         self._active: dict[int, _Active] = {}
         self._rate: dict[str, float] = {}
@@ -200,8 +212,37 @@ class Scheduler:
 
     # ---- standing ------------------------------------------------------------------------
     def export_standing(self) -> dict[str, dict[str, float]]:
-        """Per-user lag / v / service as plain data, for the store."""
-        return self.fair.export_standing()
+        """Per-user lag / v / service as plain data, for the store.
+
+        Running jobs' outstanding commitments are settled in what is exported (as if they ended
+        now), because after a restart the scheduler adopts them afresh and charges what they use.
+        """
+        unused: dict[str, float] = {}
+        for rec in self._active.values():
+            if rec.committed > rec.used:
+                unused[rec.user] = unused.get(rec.user, 0.0) + rec.committed - rec.used
+        return self.fair.export_standing(refunds=unused)
+
+    def export_history(self) -> dict[str, list[float]]:
+        """Recent run times by key (core/estimate.py), for the store."""
+        return self.estimator.export_history()
+
+    def load_history(self, saved: Mapping[str, Sequence[float]]) -> None:
+        """Restore what export_history gave; call before the first plan."""
+        self.estimator.load_history(saved)
+
+    def observe_end(self, job: Job) -> None:
+        """A job ended for good: learn its run time if it ran to its own end (or its limit).
+
+        Cancelled, lost and preempted runs say nothing about how long the job needs.
+        """
+        if (job.state in (JobState.COMPLETED, JobState.FAILED, JobState.TIMEOUT)
+                and job.started_at is not None and job.ended_at is not None):
+            self.estimator.observe(job, job.ended_at - job.started_at)
+
+    def estimate(self, job: Job) -> Estimate:
+        """The run-time estimate a job is (or would be) scheduled with, and where it came from."""
+        return self.estimator.estimate(job)
 
     def load_standing(self, standing: Mapping[str, Mapping[str, float]]) -> None:
         """Restore what export_standing gave; call before the first plan."""
@@ -357,7 +398,7 @@ class Scheduler:
             self.submit(want[jid])
 
     def _sync_active(self, active: Iterable[Job], now: float) -> None:
-        """Charge every active job for the time since its last charge; forget jobs that ended."""
+        """Charge every active job for the time since its last charge; settle jobs that ended."""
         seen: set[int] = set()
         touched: set[str] = set()
         first = self._started_at_first_plan if self._started_at_first_plan is not None else now
@@ -367,17 +408,16 @@ class Scheduler:
             seen.add(job.id)
             rec = self._active.get(job.id)
             running = job.state is not JobState.SUSPENDED
-            if rec is None:
+            if rec is None:  # started before this scheduler existed (restart) or outside it
                 started = job.started_at if job.started_at is not None else now
-                limit = job.spec.time_limit_s
                 rec = _Active(job.user, job.uid, job.allocation.compute_fraction, max(started, first),
-                              running, started + limit if limit else math.inf, job.spec.requeue, started)
+                              running, job.spec.requeue, started, job, self.estimator.predict(job))
                 self._active[job.id] = rec
                 self._add_rate(rec, +1)
                 touched.add(job.user)
             if now > rec.last_charge:
                 if rec.running:
-                    self.fair.charge(rec.user, rec.fraction * (now - rec.last_charge))
+                    self._accrue(rec, rec.fraction * (now - rec.last_charge))
                     touched.add(rec.user)
                 rec.last_charge = now
             if running != rec.running:
@@ -388,13 +428,25 @@ class Scheduler:
         for jid in [j for j in self._active if j not in seen]:
             rec = self._active.pop(jid)
             if rec.running and now > rec.last_charge:
-                self.fair.charge(rec.user, rec.fraction * (now - rec.last_charge))
+                self._accrue(rec, rec.fraction * (now - rec.last_charge))
+            if rec.committed > rec.used:  # settle: refund what was committed and not used
+                self.fair.charge(rec.user, 0.0, virtual_gpu_s=rec.used - rec.committed)
             self._add_rate(rec, -1)
             if self._preempting.pop(jid, None) is None:
                 self._times_preempted.pop(jid, None)  # ended for good
             touched.add(rec.user)
-        for user in touched:
+        for user in sorted(touched):  # sorted: replay must not depend on PYTHONHASHSEED
             self._sync_user(user)
+
+    def _accrue(self, rec: _Active, service: float) -> None:
+        """Charge used service; v moves only by what goes beyond the start's commitment."""
+        over_before = max(0.0, rec.used - rec.committed)
+        rec.used += service
+        self.fair.charge(rec.user, service, virtual_gpu_s=max(0.0, rec.used - rec.committed) - over_before)
+
+    def _expected_end(self, rec: _Active, now: float) -> float:
+        """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""
+        return rec.started + self.estimator.expected_total(rec.job, rec.predicted, now - rec.started)
 
     def _add_rate(self, rec: _Active, sign: int) -> None:
         self._running_jobs[rec.user] = self._running_jobs.get(rec.user, 0) + sign
@@ -405,7 +457,6 @@ class Scheduler:
             self._rate.pop(rec.user, None)
         if sign > 0 and not self.fair.is_active(rec.user):
             self.fair.activate(rec.user, rec.uid)
-        self.fair.set_rate(rec.user, self._rate.get(rec.user, 0.0))
 
     def _sync_user(self, user: str) -> None:
         """Keep FairShare's active set = users with work queued or running, and re-key the user."""
@@ -437,15 +488,16 @@ class Scheduler:
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
+        predicted = self.queue.expected(job.id)
         self.queue.remove(job.id)
         self._pending_since.pop(job.id, None)
-        limit = job.spec.time_limit_s
-        rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True,
-                      now + limit if limit else math.inf, job.spec.requeue, now)
+        rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, predicted)
+        rec.committed = self.fair.commitment(request_fraction(job.spec.request), predicted)
         self._active[job.id] = rec
         self._add_rate(rec, +1)
+        self.fair.charge(job.user, 0.0, virtual_gpu_s=rec.committed)
         self._sync_user(job.user)
-        return StartJob(job.id, alloc, reason)
+        return StartJob(job.id, alloc, reason, predicted)
 
     def _fair_reason(self, job: Job) -> str:
         lag_h = self.fair.lag(job.user) / 3600
@@ -455,7 +507,7 @@ class Scheduler:
     def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str]) -> _Reservation:
         """When would the blocked head fit, releasing active jobs in order of their expected end?"""
         sim = cluster.copy()
-        ends = sorted((rec.end if jid not in self._preempting else now, jid)
+        ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
                       for jid, rec in self._active.items() if jid in sim.held)
         for end, jid in ends:
             sim.release(jid)
@@ -497,6 +549,10 @@ class Scheduler:
         if math.isfinite(res.at):
             if limit is not None and now + limit <= res.at:
                 return True, f"backfill: time limit ends before job {res.job_id}'s reserved start"
+            expected = self.queue.expected(job.id)
+            if now + expected <= res.at:
+                return True, (f"backfill: expected to end ({expected:.0f} s) before job {res.job_id}'s reserved "
+                              f"start in {res.at - now:.0f} s")
             return False, (f"would delay job {res.job_id}, next by fairness, reserved to start in "
                            f"{res.at - now:.0f} s")
         if limit is not None and limit <= self.config.backfill_unknown_horizon_s:

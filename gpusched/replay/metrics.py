@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -22,8 +22,27 @@ from gpusched.replay.sim import SimResult
 JSON_KEYS: tuple[str, ...] = (
     "policy", "jobs", "skipped", "makespan_s", "jct_mean_s", "jct_p50_s", "jct_p99_s", "wait_mean_s",
     "wait_p50_s", "wait_p99_s", "utilization", "jain_index", "share_error_max", "mig_reconfigurations",
-    "decision_us_mean",
+    "decision_us_mean", "useful_utilization", "by_class", "by_user", "estimator",
 )
+
+
+class Group(TypedDict):
+    """Waits and completion times of one class or user (`by_class` / `by_user` in `--json`)."""
+
+    jobs: int
+    wait_mean_s: float
+    wait_p99_s: float
+    jct_mean_s: float
+    jct_p99_s: float
+
+
+class EstimatorError(TypedDict):
+    """How far the run-time estimates were from the run times (`estimator` in `--json`)."""
+
+    jobs: int  # completed jobs that were started with an estimate
+    median_ratio: float  # median of estimate / run time (1 = exact; > 1 over-estimates)
+    within_2x: float  # fraction of jobs whose estimate was within a factor 2 of the run time
+    mean_abs_error_s: float
 
 
 class Summary(TypedDict):
@@ -44,6 +63,10 @@ class Summary(TypedDict):
     share_error_max: float
     mig_reconfigurations: int
     decision_us_mean: float
+    useful_utilization: float
+    by_class: dict[str, Group]
+    by_user: dict[str, Group]
+    estimator: EstimatorError | None
 
 
 MIN_ENTITLED = 0.01  # users entitled to < 1% of the contended service are left out of the fairness figures
@@ -140,6 +163,8 @@ def summarize(result: SimResult, weights: Mapping[str, float], skipped_by_parser
     makespan = max(0.0, result.end - result.start)
     used = sum((t1 - t0) * f for segs in result.segments.values() for t0, t1, f in segs)
     util = used / (result.capacity_gpus * makespan) if makespan > 0 else 0.0
+    asked = sum(result.requested.get(j.id, 0.0) for j in done if j.state is JobState.COMPLETED)
+    useful = asked / (result.capacity_gpus * makespan) if makespan > 0 else 0.0
     fair = fairness(result, weights)
     out: Summary = {
         "policy": result.policy,
@@ -157,9 +182,45 @@ def summarize(result: SimResult, weights: Mapping[str, float], skipped_by_parser
         "share_error_max": round(fair.share_error_max, 6),
         "mig_reconfigurations": result.mig_reconfigurations,
         "decision_us_mean": round(sum(result.plan_us) / len(result.plan_us), 3) if result.plan_us else 0.0,
+        "useful_utilization": round(useful, 6),
+        "by_class": _groups(result.jobs, lambda j: j.spec.job_class),
+        "by_user": _groups(result.jobs, lambda j: j.user),
+        "estimator": estimator_error(result),
     }
     assert tuple(out) == JSON_KEYS
     return out
+
+
+def _groups(jobs: Sequence[Job], key: Callable[[Job], str]) -> dict[str, Group]:
+    waits_by: dict[str, list[float]] = {}
+    jct_by: dict[str, list[float]] = {}
+    for job in jobs:
+        k = key(job)
+        ws = waits(job)
+        if ws:
+            waits_by.setdefault(k, []).append(sum(w.seconds for w in ws))
+        if job.state in (JobState.COMPLETED, JobState.TIMEOUT) and job.ended_at is not None:
+            jct_by.setdefault(k, []).append(job.ended_at - job.submitted_at)
+    out: dict[str, Group] = {}
+    for k in sorted(set(waits_by) | set(jct_by)):
+        w, c = waits_by.get(k, []), jct_by.get(k, [])
+        out[k] = {"jobs": len(c), "wait_mean_s": round(sum(w) / len(w), 3) if w else 0.0,
+                  "wait_p99_s": round(percentile(w, 99), 3), "jct_mean_s": round(sum(c) / len(c), 3) if c else 0.0,
+                  "jct_p99_s": round(percentile(c, 99), 3)}
+    return out
+
+
+def estimator_error(result: SimResult) -> EstimatorError | None:
+    """Estimate at the last start vs the run time, over completed jobs; None for a policy without estimates."""
+    pairs = [(result.expected[j.id], j.ended_at - j.started_at) for j in result.jobs
+             if j.state is JobState.COMPLETED and j.id in result.expected and j.started_at is not None
+             and j.ended_at is not None and j.ended_at > j.started_at]
+    if not pairs:
+        return None
+    ratios = [e / r for e, r in pairs]
+    return {"jobs": len(pairs), "median_ratio": round(percentile(ratios, 50), 4),
+            "within_2x": round(sum(1 for q in ratios if 0.5 <= q <= 2.0) / len(ratios), 4),
+            "mean_abs_error_s": round(sum(abs(e - r) for e, r in pairs) / len(pairs), 3)}
 
 
 def user_service(result: SimResult) -> dict[str, float]:

@@ -60,8 +60,9 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     return report
 
 
-_FORMATS = {"utilization": "{:.3f}", "jain_index": "{:.3f}", "share_error_max": "{:.3f}",
-            "decision_us_mean": "{:.1f}"}
+_FORMATS = {"utilization": "{:.3f}", "useful_utilization": "{:.3f}", "jain_index": "{:.3f}",
+            "share_error_max": "{:.3f}", "decision_us_mean": "{:.1f}"}
+_NESTED = ("by_class", "by_user", "estimator")  # in --json; the table shows a few figures from them
 
 
 def render_table(report: ReplayReport) -> str:
@@ -69,6 +70,8 @@ def render_table(report: ReplayReport) -> str:
     names = [str(s["policy"]) for s in report.summaries]
     rows: list[list[str]] = [["", *names]]
     for key in JSON_KEYS[1:]:
+        if key in _NESTED:
+            continue
         fmt = _FORMATS.get(key, "{:.1f}")
         cells = []
         for s in report.summaries:
@@ -76,6 +79,14 @@ def render_table(report: ReplayReport) -> str:
             v = row[key]
             cells.append(str(v) if isinstance(v, int) else fmt.format(v))
         rows.append([key, *cells])
+    classes = sorted({c for s in report.summaries for c in s["by_class"]})
+    if len(classes) > 1:
+        for c in classes:
+            for fig in ("wait_mean_s", "wait_p99_s"):
+                rows.append([f"{c}_{fig}", *(f"{s['by_class'][c][fig]:.1f}" if c in s["by_class"] else "-"
+                                             for s in report.summaries)])
+    rows.append(["estimate_within_2x", *(f"{e['within_2x']:.3f}" if (e := s["estimator"]) is not None else "-"
+                                         for s in report.summaries)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
     t = report.trace

@@ -85,6 +85,8 @@ class SimResult:
     end: float
     wall_s: float
     timeline: list[tuple[float, float]] = field(default_factory=list)  # (time, allocated GPUs)
+    requested: dict[int, float] = field(default_factory=dict)  # job -> GPU-seconds the trace asked for
+    expected: dict[int, float] = field(default_factory=dict)  # job -> run-time estimate at its last start
 
 
 class Simulator:
@@ -129,6 +131,8 @@ class Simulator:
         self.timeline: list[tuple[float, float]] = []
         self.allocated = 0.0
         self.uids: dict[str, int] = {}
+        self.requested: dict[int, float] = {}
+        self.expected: dict[int, float] = {}
 
     # ---- building jobs ---------------------------------------------------------------------------
     def _make_job(self, jid: int, tj: TraceJob) -> Job:
@@ -179,7 +183,8 @@ class Simulator:
             policy=self.policy.name, node=self.policy.node.description, jobs=list(self.jobs.values()),
             segments=self.segments, capacity_gpus=float(len(self.gpus)), plan_us=self.plan_us,
             mig_reconfigurations=self.reconfigs, mig_errors=self.mig_errors, unsatisfiable=self.unsatisfiable,
-            stuck=len(self.pending), start=start, end=end, wall_s=time.perf_counter() - began, timeline=self.timeline)
+            stuck=len(self.pending), start=start, end=end, wall_s=time.perf_counter() - began, timeline=self.timeline,
+            requested=self.requested, expected=self.expected)
 
     def _arrive(self, index: int) -> None:
         tj = self.trace[index]
@@ -188,6 +193,7 @@ class Simulator:
         self.jobs[jid] = job
         self.pending[jid] = job
         self.durations[jid] = tj.duration_s
+        self.requested[jid] = tj.gpu_demand * tj.duration_s
         if self.policy.incremental and isinstance(self.planner, Scheduler):
             self.planner.submit(job)
 
@@ -242,6 +248,8 @@ class Simulator:
         if job is None:
             return
         alloc = action.allocation
+        if action.expected_s is not None:
+            self.expected[job.id] = action.expected_s
         job = self._set(job, JobState.STARTING, action.reason, allocation=alloc, started_at=self.now)
         ready = max([self.ready_at.get(u, self.now) for u in alloc.uuids] + [self.now])
         limit = job.spec.time_limit_s
@@ -392,9 +400,11 @@ class Simulator:
                 return
         job = self._release(jid)
         if timeout:
-            self._set(job, JobState.TIMEOUT, "time limit reached", ended_at=self.now)
+            job = self._set(job, JobState.TIMEOUT, "time limit reached", ended_at=self.now)
         else:
-            self._set(job, JobState.COMPLETED, "exited 0", ended_at=self.now, exit_code=0)
+            job = self._set(job, JobState.COMPLETED, "exited 0", ended_at=self.now, exit_code=0)
+        if isinstance(self.planner, Scheduler):
+            self.planner.observe_end(job)
 
     # ---- timers ----------------------------------------------------------------------------------
     def _schedule_wakes(self) -> None:

@@ -37,17 +37,37 @@ def test_charge_scales_by_weight_and_V_is_weighted_average() -> None:
 def test_interactive_gets_earlier_deadline_at_same_share() -> None:
     fs = FairShare()
     fs.activate("a")
-    assert fs.deadline("a", 1.0, "interactive") < fs.deadline("a", 1.0, "batch")
+    long_job = 7200.0
+    inter = fs.deadline("a", 1.0, fs.request_length(long_job, "interactive"))
+    batch = fs.deadline("a", 1.0, fs.request_length(long_job, "batch"))
+    assert inter < batch
+    # A short batch job's request is its expected length, not the whole quantum.
+    assert fs.request_length(60.0, "batch") == 60.0
 
 
-def test_running_jobs_push_projected_runtime() -> None:
-    fs = FairShare()
+def test_a_start_commits_its_expected_service_and_the_end_settles_it() -> None:
+    fs = FairShare(FairnessConfig(commit_max_s=3600.0))
     fs.activate("a")
     fs.activate("b")
-    fs.set_rate("a", 4.0)
-    assert not fs.is_eligible("a")
-    assert fs.is_eligible("b")
-    assert fs.deadline("a", 1.0, "batch") > fs.deadline("b", 1.0, "batch")
+    assert fs.commitment(2.0, 10_000.0) == pytest.approx(7200.0)  # capped at commit_max_s
+    fs.charge("a", 0.0, virtual_gpu_s=fs.commitment(1.0, 600.0))  # a starts a 10-minute job
+    assert not fs.is_eligible("a") and fs.is_eligible("b")
+    assert fs.service("a") == 0.0  # a commitment is not service
+    fs.charge("a", 60.0, virtual_gpu_s=0.0)  # it used 60 s, within what it committed
+    fs.charge("a", 0.0, virtual_gpu_s=60.0 - 600.0)  # it ended early: the rest is refunded
+    assert fs.v("a") == pytest.approx(60.0)
+    assert fs.service("a") == pytest.approx(60.0)
+
+
+def test_refund_while_idle_moves_saved_lag() -> None:
+    fs = FairShare(FairnessConfig(lag_limit_gpu_s=1e9))
+    fs.activate("a")
+    fs.activate("b")
+    fs.charge("a", 0.0, virtual_gpu_s=1000.0)
+    fs.deactivate("a")
+    before = fs.lag("a")
+    fs.charge("a", 0.0, virtual_gpu_s=-1000.0)
+    assert fs.lag("a") == pytest.approx(before + 1000.0)
 
 
 def test_new_user_joins_at_lag_zero() -> None:
@@ -83,6 +103,18 @@ def test_lag_is_clamped_while_idle() -> None:
     fs.charge("a", 10_000.0)
     fs.deactivate("a")
     assert fs.lag("a") == pytest.approx(-100.0)
+
+
+def test_exported_standing_settles_outstanding_commitments() -> None:
+    fs = FairShare(FairnessConfig(lag_limit_gpu_s=1e9))
+    fs.activate("a")
+    fs.activate("b")
+    fs.charge("a", 100.0)
+    reference = fs.export_standing()
+    fs.charge("a", 0.0, virtual_gpu_s=500.0)  # a running job's commitment, unused so far
+    settled = fs.export_standing(refunds={"a": 500.0})
+    assert settled["a"]["lag"] == pytest.approx(reference["a"]["lag"])
+    assert settled["b"]["lag"] == pytest.approx(reference["b"]["lag"])
 
 
 def test_standing_round_trip() -> None:

@@ -135,7 +135,7 @@ def test_the_heads_own_user_backfills_onto_devices_the_head_cannot_use() -> None
 
 
 def _untimed_head_node(reserve_after_s: float) -> Node:
-    """GPU 0 runs an untimed job; alice's 2-GPU head can only start after it, at an unknown time."""
+    """GPU 0 runs an untimed job; alice's 2-GPU head can only start after it, at its estimated end."""
     fair = FairnessConfig(weights={"alice": 10_000})
     s = Scheduler(SchedulerConfig(fairness=fair, reserve_after_s=reserve_after_s), incremental=True)
     n = Node(s, [gpu(0), gpu(1)])
@@ -150,7 +150,9 @@ def test_strict_reservation_keeps_untimed_jobs_off_the_heads_devices() -> None:
     n.now = 10
     n.submit(job(2, "bob"), 50)  # no time limit: could hold GPU 1 for ever
     assert _starts(n.step()) == []
-    assert "only jobs with a time limit" in n.sched.explain(2)
+    # Nothing is known of job 10 or job 2: both are expected to run the default estimate, so job 2
+    # would still hold GPU 1 when GPU 0 is expected to free up.
+    assert "would delay job 1" in n.sched.explain(2)
 
 
 def test_reserve_after_lets_untimed_jobs_backfill_until_the_head_has_waited_long_enough() -> None:
@@ -161,12 +163,12 @@ def test_reserve_after_lets_untimed_jobs_backfill_until_the_head_has_waited_long
     n.run_until(700)  # job 2 ended at 60; the head has now waited 700 s
     n.submit(job(3, "bob"), 50)
     assert _starts(n.step()) == []  # now the reservation holds
-    assert "waiting behind job 1" in n.sched.explain(3)
+    assert "would delay job 1" in n.sched.explain(3)
 
 
 def test_no_backfill_when_disabled() -> None:
     n = _head_blocked_node(backfill=False)
-    n.submit(job(2, "bob", time_limit=5), 5)
+    n.submit(job(2, "bob", time_limit=500), 500)  # the hole that backfill fills in the test above
     assert _starts(n.step()) == []
 
 

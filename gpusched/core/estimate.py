@@ -1,0 +1,146 @@
+"""Run-time estimates from history: per user and command, per command, per user and shape, per shape.
+
+Why estimates at all: a GPU scheduler that knows nothing of when running jobs end can only hold
+the fairness head's devices forever (the node drains) or never (the head starves). Users rarely
+give `--time`, and when they do it is an upper bound, not a forecast. So, like the predictors of
+Tsafrir et al. ("Backfilling using system-generated predictions rather than user runtime
+estimates", 2007), we predict from the user's own recent history: the mean of the last few run
+times of the most specific key that has any, falling back to broader keys and finally a default.
+
+Two rules keep a wrong estimate from doing lasting harm:
+- `--time` caps every estimate (the job is killed there, so it cannot run longer);
+- a running job's estimate is never below `elapsed_factor` x its elapsed time, so a job that
+  outlives its estimate is expected to run on (for as long again), and a reservation that counted
+  on it ending moves later instead of holding devices for an end that is not coming.
+
+Pure: run times are given by the caller; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
+
+_COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatorConfig:
+    """Estimator knobs; the daemon builds this from `[scheduler]` in its TOML."""
+
+    default_runtime_s: float = 3600.0  # a job nothing is known about
+    history: int = 8  # run times remembered per key (mean of these)
+    elapsed_factor: float = 2.0  # k: a running job is expected to run at least k x its elapsed time
+    max_keys: int = 50_000  # keys kept (least recently used dropped first), bounding memory
+
+    def __post_init__(self) -> None:
+        if self.default_runtime_s <= 0:
+            raise ValueError("default_runtime_s must be > 0")
+        if self.history < 1:
+            raise ValueError("history must be >= 1")
+        if self.elapsed_factor < 1:
+            raise ValueError("elapsed_factor must be >= 1")
+        if self.max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+
+
+def command_key(job: Job) -> str:
+    """What 'the same command' means: the job's name if it has one, else its argv (bounded)."""
+    spec = job.spec
+    if spec.name:
+        return "n:" + spec.name[:_COMMAND_CHARS]
+    return "a:" + "\x00".join(spec.argv)[:_COMMAND_CHARS]
+
+
+def shape_key(request: WholeRequest | MigRequest | ShareRequest) -> str:
+    """What 'the same request shape' means: whole count, MIG profile, or share fraction (2 digits)."""
+    if isinstance(request, WholeRequest):
+        return f"gpus={request.gpus}"
+    if isinstance(request, MigRequest):
+        return f"mig={request.profile}"
+    return f"share={request.fraction:.2f}"
+
+
+def _keys(job: Job) -> tuple[str, ...]:
+    cmd = command_key(job)
+    shape = shape_key(job.spec.request)
+    user = job.user
+    return (f"u\x00{user}\x00{cmd}", f"c\x00{cmd}", f"s\x00{user}\x00{shape}", f"S\x00{shape}", "*")
+
+
+_SOURCES = ("your previous runs of this command", "previous runs of this command",
+            "your previous jobs of this shape", "previous jobs of this shape", "recent jobs")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """An estimate and where it came from (for `gpusched show`)."""
+
+    seconds: float
+    source: str
+
+
+class RuntimeEstimator:
+    """Recent run times by key; `predict` for a job not yet started, `expected_total` for a running one."""
+
+    def __init__(self, config: EstimatorConfig | None = None) -> None:
+        self.config = config or EstimatorConfig()
+        self._runs: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def observe(self, job: Job, runtime_s: float) -> None:
+        """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
+        if runtime_s < 0 or runtime_s != runtime_s:  # negative or NaN: a clock jump, not a run time
+            return
+        for key in _keys(job):
+            self._remember(key, runtime_s)
+
+    def _remember(self, key: str, runtime_s: float) -> None:
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = deque(maxlen=self.config.history)
+            self._runs[key] = runs
+            while len(self._runs) > self.config.max_keys:
+                self._runs.popitem(last=False)
+        else:
+            self._runs.move_to_end(key)
+        runs.append(runtime_s)
+
+    def estimate(self, job: Job) -> Estimate:
+        """Expected run time of a job that has not started: history, capped by its time limit."""
+        limit = job.spec.time_limit_s
+        value, source = self.config.default_runtime_s, "no history yet (the default)"
+        for key, key_source in zip(_keys(job), _SOURCES, strict=True):
+            runs = self._runs.get(key)
+            if runs:
+                value, source = sum(runs) / len(runs), key_source
+                break
+        if limit is not None and limit < value:
+            return Estimate(float(limit), "its time limit")
+        return Estimate(value, source)
+
+    def predict(self, job: Job) -> float:
+        return self.estimate(job).seconds
+
+    def expected_total(self, job: Job, predicted_s: float, elapsed_s: float) -> float:
+        """Expected total run time of a job running for `elapsed_s`: never below k x elapsed, never
+        above its time limit."""
+        total = max(predicted_s, self.config.elapsed_factor * max(0.0, elapsed_s))
+        limit = job.spec.time_limit_s
+        return min(total, float(limit)) if limit is not None else total
+
+    # ---- persistence ---------------------------------------------------------------------
+    def export_history(self) -> dict[str, list[float]]:
+        """Plain data the daemon persists with the fair-share standing (bounded by max_keys x history)."""
+        return {key: list(runs) for key, runs in self._runs.items()}
+
+    def load_history(self, saved: Mapping[str, Sequence[float]]) -> None:
+        """Restore what export_history gave; entries that are not lists of numbers are skipped."""
+        for key, runs in saved.items():
+            if not isinstance(key, str) or not isinstance(runs, (list, tuple)):
+                continue
+            for value in runs[-self.config.history:]:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+                    self._remember(key, float(value))
