@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
+_MEMO_MAX = 200_000  # memoised estimates kept before the memo is cleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,10 @@ class RuntimeEstimator:
     def __init__(self, config: EstimatorConfig | None = None) -> None:
         self.config = config or EstimatorConfig()
         self._runs: OrderedDict[str, deque[float]] = OrderedDict()
+        # A pass asks for the same jobs' estimates many times between two job ends: answers are
+        # memoised per job and dropped whenever history changes (`_generation`).
+        self._generation = 0
+        self._memo: dict[int, tuple[int, Estimate]] = {}
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
@@ -96,6 +101,9 @@ class RuntimeEstimator:
             return
         for key in _keys(job):
             self._remember(key, runtime_s)
+        self._generation += 1
+        if len(self._memo) > _MEMO_MAX:
+            self._memo.clear()
 
     def _remember(self, key: str, runtime_s: float) -> None:
         runs = self._runs.get(key)
@@ -110,6 +118,14 @@ class RuntimeEstimator:
 
     def estimate(self, job: Job) -> Estimate:
         """Expected run time of a job that has not started: history, capped by its time limit."""
+        memo = self._memo.get(job.id)
+        if memo is not None and memo[0] == self._generation:
+            return memo[1]
+        answer = self._estimate(job)
+        self._memo[job.id] = (self._generation, answer)
+        return answer
+
+    def _estimate(self, job: Job) -> Estimate:
         limit = job.spec.time_limit_s
         value, source = self.config.default_runtime_s, "no history yet (the default)"
         for key, key_source in zip(_keys(job), _SOURCES, strict=True):
@@ -144,3 +160,4 @@ class RuntimeEstimator:
             for value in runs[-self.config.history:]:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
                     self._remember(key, float(value))
+        self._generation += 1

@@ -81,6 +81,7 @@ class _User:
     v: float = 0.0
     vlag: float = 0.0  # saved V - v while idle (clamped); 0 for a new user
     service: float = 0.0  # GPU-seconds really used, ever (commitments are not service)
+    outstanding: float = 0.0  # GPU-seconds committed by running jobs and not used yet
     active: bool = False
 
 
@@ -98,6 +99,7 @@ class FairShare:
         self._users: dict[str, _User] = {}
         self._sum_w = 0.0  # Σ w over active users
         self._sum_wv = 0.0  # Σ w·v over active users
+        self._sum_out = 0.0  # Σ outstanding commitments of active users (GPU-s)
         self._v_idle = 0.0  # V when the active set last went empty: where the next joiner lands
         self._updates = 0
         self._group_active_w: dict[str, float] = {}  # group -> Σ base weight of active members
@@ -140,6 +142,25 @@ class FairShare:
     def V(self) -> float:
         """Weight-averaged virtual runtime of active users (the 'zero-lag' point)."""
         return self._sum_wv / self._sum_w if self._sum_w > 0 else self._v_idle
+
+    def V_settled(self) -> float:
+        """V as if every running job's unused commitment were refunded now: where joiners land.
+
+        Joining at plain V would place a newcomer level with the commitments of users whose jobs
+        just started; when those jobs end early and are refunded, the newcomer would be left behind
+        as if they had received service they never got.
+        """
+        if self._sum_w <= 0:
+            return self._v_idle
+        return (self._sum_wv - self._sum_out * NICE0_WEIGHT) / self._sum_w
+
+    def set_outstanding(self, user: str, service_gpu_s: float) -> None:
+        """The GPU-seconds the user's running jobs have committed and not used yet (scheduler's view)."""
+        u = self._user(user)
+        value = max(0.0, service_gpu_s)
+        if u.active:
+            self._sum_out += value - u.outstanding
+        u.outstanding = value
 
     def total_weight(self) -> float:
         """Σ effective weight of active users (0 when nobody is active)."""
@@ -212,12 +233,14 @@ class FairShare:
             self._regroup(u.group, u, joining=True)
         w = u.weight
         if self._sum_w > 0:
-            u.v = self.V() - u.vlag * (self._sum_w + w) / self._sum_w
+            u.v = self.V_settled() - u.vlag * (self._sum_w + w) / self._sum_w
         else:
             u.v = self._v_idle - u.vlag
+        u.v += u.outstanding * NICE0_WEIGHT / w  # what their own running jobs still hold
         u.active = True
         self._sum_w += w
         self._sum_wv += w * u.v
+        self._sum_out += u.outstanding
 
     def deactivate(self, user: str) -> None:
         """No more work queued or running: save the clamped lag so idling neither earns nor erases."""
@@ -226,13 +249,15 @@ class FairShare:
             return
         self._bump()
         limit = self._lag_limit_v(u.weight)
-        u.vlag = max(-limit, min(limit, self.V() - u.v))
+        settled_v = u.v - u.outstanding * NICE0_WEIGHT / u.weight
+        u.vlag = max(-limit, min(limit, self.V_settled() - settled_v))
         self._sum_w -= u.weight
         self._sum_wv -= u.weight * u.v
+        self._sum_out -= u.outstanding
         u.active = False
         if self._sum_w <= 1e-12:
-            self._v_idle = u.v + u.vlag  # = V just before the last active user left
-            self._sum_w = self._sum_wv = 0.0
+            self._v_idle = settled_v + u.vlag  # = settled V just before the last active user left
+            self._sum_w = self._sum_wv = self._sum_out = 0.0
         if u.group is not None:
             self._regroup(u.group, u, joining=False)
 
@@ -279,19 +304,18 @@ class FairShare:
             act = [u for u in self._users.values() if u.active]
             self._sum_w = sum(u.weight for u in act)
             self._sum_wv = sum(u.weight * u.v for u in act)
+            self._sum_out = sum(u.outstanding for u in act)
 
     # ---- persistence ---------------------------------------------------------------------
-    def export_standing(self, refunds: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+    def export_standing(self) -> dict[str, dict[str, float]]:
         """Plain data the daemon persists: per user the lag (GPU-s, clamped), v and total service.
 
-        Absolute v only matters relative to V, so `lag` is what `load_standing` restores.
-        `refunds` (user -> GPU-s committed by running jobs and not yet used) is settled in what is
-        exported, as if those jobs ended now.
+        Absolute v only matters relative to V, so `lag` is what `load_standing` restores. Running
+        jobs' unused commitments are settled in what is exported, as if those jobs ended now: after
+        a restart the scheduler adopts them afresh and charges only what they use from then on.
         """
-        back = {name: r * NICE0_WEIGHT / self._users[name].weight
-                for name, r in (refunds or {}).items() if name in self._users and r > 0}
-        sum_back = sum(self._users[n].weight * dv for n, dv in back.items() if self._users[n].active)
-        V = (self._sum_wv - sum_back) / self._sum_w if self._sum_w > 0 else self._v_idle
+        back = {name: u.outstanding * NICE0_WEIGHT / u.weight for name, u in self._users.items() if u.outstanding > 0}
+        V = self.V_settled()
         out: dict[str, dict[str, float]] = {}
         for name, u in self._users.items():
             v = u.v - back.get(name, 0.0)

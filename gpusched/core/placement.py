@@ -247,6 +247,20 @@ class Cluster:
                 if not dev.clients:
                     dev.used_fraction, dev.used_mem = 0.0, 0
 
+    def fingerprint(self) -> tuple[object, ...]:
+        """What decides whether a request fits: per device, held or not and the shares on it.
+
+        Equal fingerprints mean every placement that failed on one fails on the other, which lets
+        the scheduler skip re-trying requests that found no room while nothing was freed.
+        """
+        return tuple((d.uuid, d.holder is not None, len(d.clients), round(d.used_fraction, 9), d.used_mem,
+                      min((c.uid for c in d.clients.values()), default=-1) if d.mode == "mps" else 0,
+                      d.mps_owner) for d in self.devices.values())
+
+    def idle_whole(self) -> int:
+        """Whole GPUs with nothing on them (for 'waiting for N whole GPUs (k idle now)')."""
+        return sum(1 for d in self.devices.values() if d.kind == "gpu" and d.idle)
+
     def has_room(self) -> bool:
         """Cheap test used to stop a pass early: is any device idle or any share slot open?"""
         return any(d.idle or (d.shared and d.holder is None and d.used_fraction < 1 - _EPS

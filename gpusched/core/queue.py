@@ -12,9 +12,10 @@ scans the deadline order; the kernel avoids the scan with a min-v augmented tree
 because users with work number in the hundreds, and ineligible users sort late (their deadline
 starts from a larger virtual runtime).
 
-Within a user, shorter expected jobs go first (shortest-expected-first lowers the user's own mean
-wait without changing their share). A job's expected run time is fixed when it enters the queue,
-so its place cannot shift under it while it waits.
+Within a user, shorter expected jobs go first among those submitted together (shortest-expected-
+first lowers the user's own mean wait without changing their share), without starving a long job
+(see `job_key`). A job's expected run time is fixed when it enters the queue, so its place cannot
+shift under it while it waits.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ from sortedcontainers import SortedList
 from gpusched.core.fairshare import NICE0_WEIGHT, FairShare
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
-JobKey = tuple[int, float, float, int]  # (nice, expected run time, submitted_at, id)
+JobKey = tuple[int, float, float, int]  # (nice, submitted_at + expected run time, expected run time, id)
 UserKey = tuple[float, str]  # (virtual deadline, user)
 
 
 def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
-    """Order within a user: lower nice first, then shorter expected, then submission (id breaks ties)."""
-    return (job.spec.nice, expected_s, job.submitted_at, job.id)
+    """Order within a user: lower nice first, then the earliest 'expected end had it started when
+    submitted' (submitted_at + expected run time), then id.
+
+    Among jobs submitted together that is shortest-expected-first; across time it is first come,
+    first served, so a long job is never starved by a stream of shorter ones submitted after it
+    (once newer jobs' submission times pass its key, they all sort behind it).
+    """
+    return (job.spec.nice, job.submitted_at + expected_s, expected_s, job.id)
 
 
 def request_fraction(request: WholeRequest | MigRequest | ShareRequest, mig_fraction: float = 1.0 / 7) -> float:
@@ -52,7 +59,7 @@ def request_fraction(request: WholeRequest | MigRequest | ShareRequest, mig_frac
 @dataclass(slots=True)
 class _UserQueue:
     jobs: SortedList  # of JobKey
-    key: UserKey | None = None  # current entry in RunQueue._order, None while parked
+    key: UserKey | None = None  # current entry in RunQueue._order
 
 
 class RunQueue:
@@ -66,6 +73,7 @@ class RunQueue:
         self._users: dict[str, _UserQueue] = {}
         self._order: SortedList = SortedList()  # of UserKey
         self._parked: set[str] = set()
+        self._versions: dict[str, int] = {}  # user -> bumped whenever their pending jobs change
 
     # ---- membership ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -107,6 +115,7 @@ class RunQueue:
             self._users[job.user] = uq
         head_before = uq.jobs[0] if uq.jobs else None
         uq.jobs.add(key)
+        self._versions[job.user] = self._versions.get(job.user, 0) + 1
         if head_before is None or uq.jobs[0] != head_before:
             self.rekey(job.user)
 
@@ -119,6 +128,7 @@ class RunQueue:
         key = self._keys.pop(job_id)
         was_head = uq.jobs[0] == key
         uq.jobs.remove(key)
+        self._versions[job.user] = self._versions.get(job.user, 0) + 1
         if not uq.jobs:
             if uq.key is not None:
                 self._order.remove(uq.key)
@@ -128,9 +138,21 @@ class RunQueue:
             self.rekey(job.user)
         return job
 
+    def expected_of(self, job: Job) -> float:
+        """The estimate of the moment for a job (history may have grown since it was filed)."""
+        return self._expected_of(job)
+
+    def version(self, user: str) -> int:
+        """Changes whenever the user's pending jobs change (lets a pass skip a user it already tried)."""
+        return self._versions.get(user, 0)
+
     def expected(self, job_id: int) -> float:
-        """The expected run time a queued job was filed with."""
-        return self._keys[job_id][1]
+        """The expected run time a queued job was filed with (its place among its user's jobs).
+
+        Charges and deadlines use the estimate of the moment (`expected_of`), which learns from
+        jobs that ended since; only the order within a user is fixed at filing.
+        """
+        return self._keys[job_id][2]
 
     def head(self, user: str) -> Job | None:
         uq = self._users.get(user)
@@ -146,7 +168,7 @@ class RunQueue:
 
     def _deadline(self, user: str, job: Job, v: float) -> float:
         fair = self.fair
-        request_s = fair.request_length(self.expected(job.id), job.spec.job_class)
+        request_s = fair.request_length(self._expected_of(job), job.spec.job_class)
         return v + request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
 
     def rekey(self, user: str) -> None:
@@ -157,18 +179,23 @@ class RunQueue:
         if uq.key is not None:
             self._order.remove(uq.key)
             uq.key = None
-        if user in self._parked:
-            return
         if not self.fair.is_active(user):
             self.fair.activate(user, self._jobs[uq.jobs[0][3]].uid)
         uq.key = (self.deadline_of(user), user)
         self._order.add(uq.key)
 
     def pick(self) -> str | None:
-        """The user to serve next: earliest deadline among eligible users, else earliest overall."""
+        """The user to serve next: earliest deadline among eligible users, else earliest overall.
+
+        Users parked for this pass are skipped (they keep their place in the order, so ending the
+        pass costs nothing).
+        """
         first: str | None = None
+        parked = self._parked
         for entry in self._order:
             user: str = entry[1]
+            if user in parked:
+                continue
             if first is None:
                 first = user
             if self.fair.is_eligible(user):
@@ -176,20 +203,13 @@ class RunQueue:
         return first
 
     def park(self, user: str) -> None:
-        """Take a user out of the order for the rest of a pass (their head cannot be placed)."""
-        uq = self._users.get(user)
-        if uq is None or user in self._parked:
-            return
-        if uq.key is not None:
-            self._order.remove(uq.key)
-            uq.key = None
-        self._parked.add(user)
+        """Skip a user for the rest of a pass (nothing of theirs can start now)."""
+        if user in self._users:
+            self._parked.add(user)
 
     def unpark_all(self) -> None:
-        """End of pass: every parked user goes back into the order with a fresh key."""
-        parked, self._parked = self._parked, set()
-        for user in parked:
-            self.rekey(user)
+        """End of pass: every parked user is a candidate again."""
+        self._parked = set()
 
     def ordered_jobs(self, limit: int | None = None) -> list[int]:
         """Pending job ids in the order they would be served if each started at once.
@@ -227,7 +247,7 @@ class RunQueue:
             out.append(job.id)
             pos[user] += 1
             w = fair.weight(user)
-            dv = fair.commitment(request_fraction(job.spec.request), self.expected(job.id)) * NICE0_WEIGHT / w
+            dv = fair.commitment(request_fraction(job.spec.request), self._expected_of(job)) * NICE0_WEIGHT / w
             v[user] += dv
             if fair.is_active(user):
                 wv_sum += w * dv

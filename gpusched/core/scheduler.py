@@ -133,6 +133,10 @@ class SchedulerConfig:
     # time) only once the head has waited this long; 0 = at once (conservative). A positive value
     # trades a bounded extra wait for the head against keeping GPUs busy when nothing has a limit.
     reserve_after_s: float = 0.0
+    # A blocked fairness head that has waited this long keeps its place (and its reservation) until it
+    # starts, even if another user becomes more owed meanwhile: without it a many-GPU job is passed
+    # over by whoever is next a moment later, the node never drains for it, and it starves.
+    hold_head_after_s: float = 0.0
     max_scan: int = 2000  # pending jobs examined per pass once the fairness head is blocked
     per_user_scan: int = 8  # jobs of one user examined for backfill per pass
     max_mig_demand: int = 16  # blocked MIG jobs turned into creation demand per pass
@@ -191,6 +195,7 @@ class Scheduler:
         self.incremental = incremental
         self._active: dict[int, _Active] = {}
         self._rate: dict[str, float] = {}
+        self._unused: dict[str, float] = {}  # user -> GPU-s committed by running jobs, not used yet
         self._running_jobs: dict[str, int] = {}
         self._failed: dict[int, str] = {}  # failed job id -> reason (until it leaves pending)
         self._to_fail: list[FailJob] = []
@@ -209,19 +214,21 @@ class Scheduler:
         self._last_pending: tuple[Job, ...] | None = None  # identity fast path for an unchanged tuple
         self._pending_since: dict[int, float] = {}  # when a job (last) became pending, for waits
         self._times_preempted: dict[int, int] = {}
+        # The job that was next by fairness and blocked: it stays first until it starts, so a big job
+        # cannot lose its reservation to whoever is most owed a moment later (it would starve).
+        self._head_id: int | None = None
+        # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
+        self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
+        # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
+        self._user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]] = {}
 
     # ---- standing ------------------------------------------------------------------------
     def export_standing(self) -> dict[str, dict[str, float]]:
         """Per-user lag / v / service as plain data, for the store.
 
-        Running jobs' outstanding commitments are settled in what is exported (as if they ended
-        now), because after a restart the scheduler adopts them afresh and charges what they use.
+        Running jobs' unused commitments are settled in what is exported (fairshare.py).
         """
-        unused: dict[str, float] = {}
-        for rec in self._active.values():
-            if rec.committed > rec.used:
-                unused[rec.user] = unused.get(rec.user, 0.0) + rec.committed - rec.used
-        return self.fair.export_standing(refunds=unused)
+        return self.fair.export_standing()
 
     def export_history(self) -> dict[str, list[float]]:
         """Recent run times by key (core/estimate.py), for the store."""
@@ -268,6 +275,8 @@ class Scheduler:
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
         job = self.queue.remove(job_id)
+        if self._head_id == job_id:
+            self._head_id = None
         self._pending_since.pop(job_id, None)
         self._failed.pop(job_id, None)
         self._blocked.pop(job_id, None)
@@ -298,28 +307,32 @@ class Scheduler:
         cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
                                 unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner)
         reserved = snapshot.reserved_interactive
-        self._blocked = {}
         self._reservation = None
         head: Job | None = None
         fails: set[object] = set()
-        blocked: list[Job] = []  # jobs that found no room, in fairness order
+        need_text: dict[object, str] = {}  # signature -> why it does not fit, once per pass
         mig_demand: list[str] = []
         doomed: frozenset[str] = frozenset()  # idle instances the head's MIG reconfiguration needs
+        remembered = False  # fails were carried over from the last pass (nothing freed since)
+        user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]] = {}
         scanned = 0
         try:
             while scanned <= self.config.max_scan:
-                user = self.queue.pick()
+                held = self.queue.get(self._head_id) if head is None and self._head_id is not None else None
+                user = held.user if held is not None else self.queue.pick()
                 if user is None:
                     break
                 if head is None:
-                    job = self.queue.head(user)
+                    job = held if held is not None else self.queue.head(user)
                     assert job is not None
                     alloc = self._place(cluster, job, reserved)
                     if alloc is not None:
-                        actions.append(self._start(cluster, job, alloc, now, self._fair_reason(job)))
+                        why = self._fair_reason(job) if held is None else "next by fairness since it was reserved"
+                        actions.append(self._start(cluster, job, alloc, now, why))
                         continue
                     head = job
-                    blocked.append(job)
+                    if now - self._pending_since.get(job.id, now) >= self.config.hold_head_after_s:
+                        self._head_id = job.id
                     if isinstance(job.spec.request, MigRequest):
                         mig_demand.append(job.spec.request.profile)
                     self._reservation = self._reserve(cluster, job, now, reserved)
@@ -327,6 +340,10 @@ class Scheduler:
                     if doomed:
                         self._reservation.uuids = self._reservation.uuids | doomed
                     self._blocked[job.id] = "next by fairness; " + self._need(job, cluster)
+                    memo_key, memo_fails = self._fail_memo
+                    if memo_fails and memo_key == (cluster.fingerprint(), reserved, doomed, job.id):
+                        fails |= memo_fails  # nothing was freed since they failed: they fail again
+                        remembered = True
                     if not self.config.backfill:
                         break
                     # The head's own user is not parked: their other jobs may backfill too (a MIG job
@@ -334,20 +351,37 @@ class Scheduler:
                     continue
                 if not cluster.has_room():
                     break
+                version = self.queue.version(user)
+                memo = self._user_memo.get(user)
+                if remembered and memo is not None and memo[0] == version and memo[1] <= fails:
+                    # Everything of theirs this pass would try failed last pass, and nothing has been
+                    # freed or queued for them since: their explanations from then still hold.
+                    user_memo[user] = memo
+                    for profile in memo[2]:  # their blocked MIG jobs still count as creation demand
+                        if len(mig_demand) < self.config.max_mig_demand:
+                            mig_demand.append(profile)
+                    self.queue.park(user)
+                    continue
                 started = False
+                tried: set[object] = set()
+                wanted: list[str] = []
                 for k, job in enumerate(j for j in self.queue.jobs_of(user) if j.id != head.id):
                     if k >= self.config.per_user_scan:
                         break
                     scanned += 1
-                    sig = (job.spec.request, job.uid if isinstance(job.spec.request, ShareRequest) else None,
-                           job.spec.job_class)
+                    sig = _signature(job)
+                    tried.add(sig)
                     alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
                     if alloc is None:
                         fails.add(sig)
-                        blocked.append(job)
-                        if isinstance(job.spec.request, MigRequest) and len(mig_demand) < self.config.max_mig_demand:
-                            mig_demand.append(job.spec.request.profile)
-                        self._blocked[job.id] = self._need(job, cluster)
+                        if isinstance(job.spec.request, MigRequest):
+                            wanted.append(job.spec.request.profile)
+                            if len(mig_demand) < self.config.max_mig_demand:
+                                mig_demand.append(job.spec.request.profile)
+                        text = need_text.get(sig)
+                        if text is None:
+                            text = need_text[sig] = self._need(job, cluster)
+                        self._blocked[job.id] = text
                         continue
                     ok, why = self._backfill_ok(job, alloc, now)
                     if ok:
@@ -355,10 +389,15 @@ class Scheduler:
                         started = True
                         break
                     self._blocked[job.id] = why
+                    tried.add(("backfill", job.id))  # a placement that fits is never a memo hit
                 if not started:
+                    user_memo[user] = (version, frozenset(tried), tuple(wanted))
                     self.queue.park(user)
         finally:
             self.queue.unpark_all()
+        self._fail_memo = (((cluster.fingerprint(), reserved, doomed, head.id), frozenset(fails))
+                           if fails and head is not None else ((), frozenset()))
+        self._user_memo = user_memo
 
         actions.extend(self._plan_mig(snapshot, cluster, mig_demand, doomed, now))
         if head is not None:
@@ -431,6 +470,7 @@ class Scheduler:
                 self._accrue(rec, rec.fraction * (now - rec.last_charge))
             if rec.committed > rec.used:  # settle: refund what was committed and not used
                 self.fair.charge(rec.user, 0.0, virtual_gpu_s=rec.used - rec.committed)
+                self._outstanding(rec.user, rec.used - rec.committed)
             self._add_rate(rec, -1)
             if self._preempting.pop(jid, None) is None:
                 self._times_preempted.pop(jid, None)  # ended for good
@@ -441,8 +481,21 @@ class Scheduler:
     def _accrue(self, rec: _Active, service: float) -> None:
         """Charge used service; v moves only by what goes beyond the start's commitment."""
         over_before = max(0.0, rec.used - rec.committed)
+        within = min(service, max(0.0, rec.committed - rec.used))
         rec.used += service
         self.fair.charge(rec.user, service, virtual_gpu_s=max(0.0, rec.used - rec.committed) - over_before)
+        if within > 0:
+            self._outstanding(rec.user, -within)
+
+    def _outstanding(self, user: str, delta: float) -> None:
+        """Keep FairShare's view of each user's unused commitments (where joiners land) current."""
+        value = self._unused.get(user, 0.0) + delta
+        if value > 1e-9:
+            self._unused[user] = value
+        else:
+            self._unused.pop(user, None)
+            value = 0.0
+        self.fair.set_outstanding(user, value)
 
     def _expected_end(self, rec: _Active, now: float) -> float:
         """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""
@@ -488,7 +541,9 @@ class Scheduler:
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
-        predicted = self.queue.expected(job.id)
+        if self._head_id == job.id:
+            self._head_id = None
+        predicted = self.queue.expected_of(job)
         self.queue.remove(job.id)
         self._pending_since.pop(job.id, None)
         rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, predicted)
@@ -496,6 +551,7 @@ class Scheduler:
         self._active[job.id] = rec
         self._add_rate(rec, +1)
         self.fair.charge(job.user, 0.0, virtual_gpu_s=rec.committed)
+        self._outstanding(job.user, rec.committed)
         self._sync_user(job.user)
         return StartJob(job.id, alloc, reason, predicted)
 
@@ -509,8 +565,11 @@ class Scheduler:
         sim = cluster.copy()
         ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
                       for jid, rec in self._active.items() if jid in sim.held)
+        need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
         for end, jid in ends:
             sim.release(jid)
+            if need_whole and sim.idle_whole() < need_whole:
+                continue  # cannot fit yet: skip the full placement
             alloc = self._place(sim, job, reserved)
             if alloc is not None:
                 return _Reservation(job.id, max(end, now), frozenset(alloc.uuids))
@@ -549,7 +608,7 @@ class Scheduler:
         if math.isfinite(res.at):
             if limit is not None and now + limit <= res.at:
                 return True, f"backfill: time limit ends before job {res.job_id}'s reserved start"
-            expected = self.queue.expected(job.id)
+            expected = self.queue.expected_of(job)
             if now + expected <= res.at:
                 return True, (f"backfill: expected to end ({expected:.0f} s) before job {res.job_id}'s reserved "
                               f"start in {res.at - now:.0f} s")
@@ -564,8 +623,7 @@ class Scheduler:
     def _need(self, job: Job, cluster: Cluster) -> str:
         req = job.spec.request
         if isinstance(req, WholeRequest):
-            idle = sum(1 for d in cluster.devices.values() if d.kind == "gpu" and d.idle)
-            return f"waiting for {req.gpus} whole GPU(s) ({idle} idle now)"
+            return f"waiting for {req.gpus} whole GPU(s) ({cluster.idle_whole()} idle now)"
         if isinstance(req, MigRequest):
             return f"waiting for a free {req.profile}"
         return f"waiting for a share of {req.fraction:g} with {req.gpu_mem_mib} MiB on an mps/timeslice device"
@@ -670,6 +728,19 @@ class Scheduler:
         if res is not None and res.job_id == job_id and math.isfinite(res.at):
             parts.append(f"expected to start in about {res.at - self._last_now:.0f} s")
         return "; ".join(parts)
+
+
+def _signature(job: Job) -> tuple[object, ...]:
+    """What decides whether a job fits: its request (and uid for shares: MPS serves one uid) and class.
+
+    Plain tuples: hashing the pydantic request models dominated the pass on long queues.
+    """
+    req = job.spec.request
+    if isinstance(req, WholeRequest):
+        return ("g", req.gpus, job.spec.job_class)
+    if isinstance(req, MigRequest):
+        return ("m", req.profile, job.spec.job_class)
+    return ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.job_class)
 
 
 def _pick_fifo(job: Job, free: list[_Device]) -> list[_Device] | None:

@@ -112,7 +112,8 @@ def test_exported_standing_settles_outstanding_commitments() -> None:
     fs.charge("a", 100.0)
     reference = fs.export_standing()
     fs.charge("a", 0.0, virtual_gpu_s=500.0)  # a running job's commitment, unused so far
-    settled = fs.export_standing(refunds={"a": 500.0})
+    fs.set_outstanding("a", 500.0)
+    settled = fs.export_standing()
     assert settled["a"]["lag"] == pytest.approx(reference["a"]["lag"])
     assert settled["b"]["lag"] == pytest.approx(reference["b"]["lag"])
 
