@@ -65,6 +65,10 @@ class FairnessSection(BaseModel):
     lag_limit_gpu_s: float = Field(
         default=8 * 3600.0, ge=0, description="credit or debt (GPU-seconds at weight 100) kept across idle periods"
     )
+    commit_max_s: float = Field(
+        default=3600.0, ge=0, description="a start charges its user at once for min(expected run time, this) x its "
+        "GPUs; the charge is settled with what the job used when it ends, so weights hold for short jobs too",
+    )
 
     @field_validator("weights", "group_weights")
     @classmethod
@@ -100,6 +104,19 @@ class SchedulerSection(BaseModel):
         default=0.0, ge=0, description="the next job by fairness holds its future devices against jobs without a "
         "--time only once it has waited this long; 0: at once (strict). A positive value keeps GPUs busy when "
         "running jobs have no time limits, at the price of a bounded extra wait for the head",
+    )
+    hold_head_after_s: float = Field(
+        default=0.0, ge=0, description="a blocked job that is next by fairness and has waited this long keeps its "
+        "place and its reservation until it starts, so many-GPU jobs are not passed over for ever",
+    )
+    default_runtime_s: float = Field(
+        default=3600.0, gt=0, description="run-time estimate of a job nothing is known about (no --time, no history)"
+    )
+    estimate_history: int = Field(
+        default=8, ge=1, le=1000, description="run times remembered per user/command/shape for estimates"
+    )
+    estimate_elapsed_factor: float = Field(
+        default=2.0, ge=1, description="a running job is expected to run at least this many times its elapsed time"
     )
     max_scan: int = Field(default=2000, ge=1, description="pending jobs examined per pass once the fairness head "
                           "is blocked")

@@ -284,11 +284,26 @@ class QueueResult(_Res):
     total: int = Field(default=0, description="rows that matched; more than len(jobs) when limited")
 
 
+class RuntimeEstimate(_Res):
+    """The scheduler's run-time estimate for a job (docs/scheduling.md, "Run-time estimates")."""
+
+    runtime_s: float = Field(description="expected run time in seconds (capped by --time)")
+    source: str = Field(description="what the estimate comes from, in words")
+    expected_start_at: float | None = Field(
+        default=None, description="pending: when it is expected to start (Unix time) if nothing new arrives; "
+                                  "null when it cannot be told")
+    expected_end_at: float | None = Field(
+        default=None, description="running: when it is expected to end (Unix time), never before twice its "
+                                  "elapsed time")
+
+
 class ShowResult(_Res):
     job: Job
     waiting_reason: str | None = None
     log_path: str | None = None
     events: list[Event] = Field(default_factory=list, description="device events attributed to this job")
+    estimate: RuntimeEstimate | None = Field(default=None, description="pending or running jobs under the fair-share "
+                                                                       "scheduler")
 
 
 class CancelResult(_Res):

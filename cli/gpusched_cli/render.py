@@ -174,6 +174,17 @@ def show_text(result: ShowResult, now: float, tz: tzinfo | None = None) -> str:
         fields.append(("reason", job.reason))
     if result.waiting_reason:
         fields.append(("waiting for", result.waiting_reason))
+    est = result.estimate
+    if est is not None:
+        fields.append(("estimate", f"{format_duration(est.runtime_s)} ({est.source})"))
+        if est.expected_start_at is not None:
+            fields.append(("est. start", f"{format_time(est.expected_start_at, tz)} "
+                                         f"(in {format_duration(max(0.0, est.expected_start_at - now))})"))
+        elif job.state in WAITING_STATES:
+            fields.append(("est. start", "unknown (needs a MIG change, or too many jobs ahead)"))
+        if est.expected_end_at is not None:
+            fields.append(("est. end", f"{format_time(est.expected_end_at, tz)} "
+                                       f"(in {format_duration(max(0.0, est.expected_end_at - now))})"))
     alloc = job.allocation
     if alloc is not None:
         for i, dev in enumerate(alloc.devices):

@@ -15,6 +15,7 @@ failed goes back to PENDING and simply reappears in `snapshot.pending`.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -217,6 +218,7 @@ class Scheduler:
         # The job that was next by fairness and blocked: it stays first until it starts, so a big job
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
+        self._cluster: Cluster | None = None
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
@@ -395,6 +397,7 @@ class Scheduler:
                     self.queue.park(user)
         finally:
             self.queue.unpark_all()
+        self._cluster = cluster  # what is held after this pass: `expected_start` plays forward from it
         self._fail_memo = (((cluster.fingerprint(), reserved, doomed, head.id), frozenset(fails))
                            if fails and head is not None else ((), frozenset()))
         self._user_memo = user_memo
@@ -698,6 +701,45 @@ class Scheduler:
         return out
 
     # ---- explainability ------------------------------------------------------------------
+    def expected_end(self, job_id: int) -> float | None:
+        """When a running job is expected to end (never before k x its elapsed time); None if unknown."""
+        rec = self._active.get(job_id)
+        return self._expected_end(rec, self._last_now) if rec is not None else None
+
+    def expected_start(self, job_id: int, max_ahead: int = 500) -> float | None:
+        """When a pending job is expected to start if nothing new arrives: None if it cannot be told.
+
+        Plays the queue forward from the last pass: running jobs end at their expected ends, pending
+        jobs start in fairness order as soon as they fit (no backfill, so this errs late) and run
+        for their estimates. Jobs that need a MIG change, or more than `max_ahead` jobs ahead of it,
+        make the answer unknown rather than wrong.
+        """
+        if self._cluster is None or job_id not in self.queue:
+            return None
+        now = self._last_now
+        order = self.queue.ordered_jobs(limit=max_ahead + 1)
+        if job_id not in order:
+            return None
+        sim = self._cluster.copy()
+        ends: list[tuple[float, int]] = sorted(
+            (self._expected_end(rec, now), jid) for jid, rec in self._active.items() if jid in sim.held)
+        t = now
+        for jid in order:
+            job = self.queue.get(jid)
+            assert job is not None
+            alloc = self._place(sim, job, frozenset())
+            while alloc is None and ends:
+                t = max(t, ends[0][0])
+                sim.release(ends.pop(0)[1])
+                alloc = self._place(sim, job, frozenset())
+            if alloc is None:
+                return None
+            if jid == job_id:
+                return t
+            sim.commit(job, alloc)
+            bisect.insort(ends, (t + self.queue.expected_of(job), jid))
+        return None
+
     def fairness_order(self) -> list[int]:
         """Pending job ids in the order they would be served (O(n log u); for `gpusched queue`)."""
         return self.queue.ordered_jobs()

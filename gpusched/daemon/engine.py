@@ -62,6 +62,7 @@ from gpusched.model import (
 )
 from gpusched.protocol import ErrorCode, ProtocolError
 
+_HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
 log = logging.getLogger("gpusched.engine")
 
 
@@ -98,6 +99,7 @@ class Engine:
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
         self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
         self.jobs: dict[int, Job] = {}
+        self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
@@ -126,6 +128,13 @@ class Engine:
         load = getattr(self.scheduler, "load_standing", None)
         if saved and callable(load):
             load(json.loads(saved))
+        history = self.store.get_meta("runtime_history")
+        load_history = getattr(self.scheduler, "load_history", None)
+        if history and callable(load_history):
+            try:
+                load_history(json.loads(history))
+            except (ValueError, TypeError, AttributeError) as exc:  # a damaged record costs estimates, not service
+                log.warning("ignoring saved run-time history: %s", exc)
         for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
             self.jobs[job.id] = job
             if job.state in ACTIVE_STATES:
@@ -160,7 +169,7 @@ class Engine:
             timer.cancel()
         self.executor.detach()
         self._persist_stops()
-        self._persist_standing()
+        self._persist_standing(final=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -737,11 +746,17 @@ class Engine:
                 reason = f"gpu_mem exceeded: its processes use {used[job.id]} MiB, over its --gpu-mem of {limit} MiB"
                 self._request_stop(job, StopRequest(JobState.FAILED, reason))
 
-    def _persist_standing(self) -> None:
-        """Each user's place (lag, service) survives restarts and crashes."""
+    def _persist_standing(self, *, final: bool = False) -> None:
+        """Each user's place (lag, service) survives restarts and crashes; so do the recent run times
+        the estimates come from, written at most once a minute (they can be megabytes) and at shutdown."""
         export = getattr(self.scheduler, "export_standing", None)
         if callable(export):
             self.store.set_meta("standing", json.dumps(export()))
+        history = getattr(self.scheduler, "export_history", None)
+        now = self.clock()
+        if callable(history) and (final or now - self._history_saved_at >= _HISTORY_EVERY_S):
+            self.store.set_meta("runtime_history", json.dumps(history()))
+            self._history_saved_at = now
 
     def _persist_stops(self) -> None:
         self.store.set_meta(
@@ -754,6 +769,9 @@ class Engine:
         updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
+            observe = getattr(self.scheduler, "observe_end", None)
+            if job.state in ACTIVE_STATES and callable(observe):
+                observe(updated)  # its run time teaches the estimates (core/estimate.py)
         else:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)

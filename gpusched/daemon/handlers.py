@@ -15,6 +15,7 @@ from typing import Any
 from gpusched import __version__
 from gpusched.config import ConfigError
 from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
+from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
@@ -53,6 +54,7 @@ from gpusched.protocol import (
     ReloadRequest,
     ReloadResult,
     ResumeRequest,
+    RuntimeEstimate,
     ShowRequest,
     ShowResult,
     ShutdownRequest,
@@ -134,7 +136,23 @@ def show(ctx: Context, req: ShowRequest) -> ShowResult:
     return ShowResult(
         job=_redact(ctx, job), waiting_reason=ctx.engine.waiting_reason(job),
         log_path=ctx.engine.executor.log_path(job.id), events=ctx.engine.store.events(job_id=job.id),
+        estimate=_estimate(ctx, job),
     )
+
+
+def _estimate(ctx: Context, job: Job) -> RuntimeEstimate | None:
+    """Run-time estimate, expected start (pending) or end (running), when the scheduler makes them."""
+    sched = ctx.engine.scheduler
+    if job.state not in (JobState.PENDING, *ACTIVE_STATES) or not isinstance(sched, Scheduler):
+        return None
+    est = sched.estimate(job)
+    if job.state is JobState.PENDING:
+        start = sched.expected_start(job.id)
+        return RuntimeEstimate(runtime_s=est.seconds, source=est.source,
+                               expected_start_at=start)
+    end = sched.expected_end(job.id)
+    return RuntimeEstimate(runtime_s=est.seconds, source=est.source,
+                           expected_end_at=end)
 
 
 async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:

@@ -20,6 +20,7 @@ import click
 
 from gpusched import __version__
 from gpusched.config import ConfigError, DaemonConfig, load_config
+from gpusched.core.estimate import EstimatorConfig
 from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy
 from gpusched.core.scheduler import Scheduler, SchedulerConfig
@@ -120,7 +121,12 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
             default_weight=f.default_weight, weights=dict(f.weights), groups=dict(f.groups),
             group_weights=dict(f.group_weights), batch_quantum_s=f.batch_quantum_s,
             interactive_quantum_s=f.interactive_quantum_s, lag_limit_gpu_s=f.lag_limit_gpu_s,
+            commit_max_s=f.commit_max_s,
         ),
+        estimator=EstimatorConfig(default_runtime_s=config.scheduler.default_runtime_s,
+                                  history=config.scheduler.estimate_history,
+                                  elapsed_factor=config.scheduler.estimate_elapsed_factor),
+        hold_head_after_s=config.scheduler.hold_head_after_s,
         mig=MigPolicy(min_idle_s=config.mig.min_idle_s, min_reconfig_interval_s=config.mig.min_reconfig_interval_s),
         preempt_after_s=config.scheduler.preempt_after_s,
         preempt_min_gain_s=config.scheduler.preempt_min_gain_s,

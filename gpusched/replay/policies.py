@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol
 
+from gpusched.core.estimate import EstimatorConfig
 from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy
 from gpusched.core.scheduler import Action, FailJob, FifoScheduler, Scheduler, SchedulerConfig, Snapshot, StartJob
@@ -74,7 +75,7 @@ class ReplayConfig:
     static_layouts: tuple[str, ...] | None = None  # static-mig: class per GPU; None = sized from trace
 
 
-_SECTIONS = {"fairness", "scheduler", "mig", "replay", "interference"}
+_SECTIONS = {"fairness", "scheduler", "mig", "estimator", "replay", "interference"}
 
 
 def load_config(path: str | None) -> ReplayConfig:
@@ -99,11 +100,13 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayC
     try:
         fair = _build(FairnessConfig, data.get("fairness", {}), "fairness", source)
         mig = _build(MigPolicy, data.get("mig", {}), "mig", source)
+        estimator = _build(EstimatorConfig, data.get("estimator", {}), "estimator", source)
         sched_kw = dict(data.get("scheduler", {}))
-        for bad in ("fairness", "mig"):
+        for bad in ("fairness", "mig", "estimator"):
             if bad in sched_kw:
                 raise ReplayConfigError(f"{source}: [scheduler] {bad}: use the [{bad}] section")
-        sched = _build(SchedulerConfig, {**sched_kw, "fairness": fair, "mig": mig}, "scheduler", source)
+        sched = _build(SchedulerConfig, {**sched_kw, "fairness": fair, "mig": mig, "estimator": estimator},
+                       "scheduler", source)
         interference = _build(Interference, data.get("interference", {}), "interference", source)
         rep = dict(data.get("replay", {}))
         mig_gpus = rep.pop("mig_gpus", "auto")
@@ -137,7 +140,7 @@ def _build(cls: Any, values: Any, section: str, source: str) -> Any:
     known = {f.name for f in fields(cls)}
     extra = (set(values) - known) - ({"mig_gpus", "static_layouts"} if cls is ReplayConfig else set())
     if extra:
-        shown = sorted(known - {"scheduler", "interference", "fairness", "mig"})
+        shown = sorted(known - {"scheduler", "interference", "fairness", "mig", "estimator"})
         raise ReplayConfigError(f"{source}: [{section}] unknown key(s): {', '.join(sorted(extra))} "
                                 f"(known: {', '.join(shown)})")
     try:

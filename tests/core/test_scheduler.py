@@ -309,3 +309,32 @@ def test_incremental_and_snapshot_modes_decide_the_same() -> None:
         n.run_until(50_000)
         runs.append([(type(a).__name__, getattr(a, "job_id", None)) for a in n.actions])
     assert runs[0] == runs[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 1000), max_size=4),
+    warm=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.floats(10, 5000)), max_size=6),
+    batch=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 2),
+                             st.sampled_from([None, 30.0, 7200.0]), st.sampled_from(["batch", "interactive"]),
+                             st.integers(0, 2)), min_size=1, max_size=20),
+)
+def test_fairness_order_predicts_the_next_starts_exactly(
+    weights: dict[str, int], warm: list[tuple[str, float]],
+    batch: list[tuple[str, int, float | None, str, int]],
+) -> None:
+    """`gpusched queue --order fairness` is the truth: with room for everyone, the pass starts the
+    pending jobs in exactly that order (commitments, deadlines, eligibility and V all replayed)."""
+    n = Node(Scheduler(SchedulerConfig(fairness=FairnessConfig(weights=weights)), incremental=True),
+             [gpu(i) for i in range(48)])
+    jid = 1
+    for user, dur in warm:  # some users already run jobs: their commitments and usage count
+        n.submit(job(jid, user), dur)
+        jid += 1
+    n.step()
+    n.run_until(n.now + 5)
+    for user, gpus_, limit, cls, nice in batch:
+        n.submit(job(jid, user, gpus=gpus_, time_limit=limit, job_class=cls, nice=nice), 100)
+        jid += 1
+    predicted = n.sched.fairness_order()
+    assert _starts(n.step()) == predicted

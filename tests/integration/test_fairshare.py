@@ -144,3 +144,51 @@ def test_standing_survives_a_restart(daemon: DaemonHandle) -> None:
     after = daemon.call_in_loop(lambda: daemon.daemon.engine.scheduler.export_standing())  # type: ignore[union-attr]
     assert stored["root"]["service"] == pytest.approx(before["root"]["service"])
     assert after["root"]["service"] == pytest.approx(before["root"]["service"])
+
+
+def _start_order(c: Client, job_ids: list[int]) -> list[int]:
+    jobs = [c.call(ShowRequest(job_id=j), ShowResult).job for j in job_ids]
+    return [j.id for j in sorted((j for j in jobs if j.started_at is not None), key=lambda j: (j.started_at, j.id))]
+
+
+@needs_root
+def test_weights_hold_for_one_second_jobs(daemon_factory: Any) -> None:
+    """Issue 11: weights 300:100, both users backlogged with short jobs -> 3:1 of the first 20 starts.
+
+    With a charge that only grows while jobs run, whoever just finished looked most owed and the
+    starts alternated 1:1; a start now commits its expected service at once."""
+    daemon = daemon_factory(fairness={"weights": {"20003": 300, "20004": 100}})
+    with daemon.client() as c:
+        blocker = submit(c, spec("sleep", "60", gpus=2))  # holds both GPUs while the queues fill
+        wait_until(lambda: state_of(c, blocker) is JobState.RUNNING, what="blocker running")
+        heavy = [r["result"]["job_id"] for r in as_user(20003, daemon.socket,
+                                                        *[user_spec("sleep", "0.5") for _ in range(20)])]
+        light = [r["result"]["job_id"] for r in as_user(20004, daemon.socket,
+                                                        *[user_spec("sleep", "0.5") for _ in range(20)])]
+        predicted = [r.id for r in c.call(QueueRequest(order="fairness"), QueueResult).jobs if r.id != blocker]
+        c.call(CancelRequest(job_ids=[blocker]), CancelResult)
+        wait_until(lambda: len(_start_order(c, heavy + light)) >= 20, timeout=60, what="20 starts")
+        first = _start_order(c, heavy + light)[:20]
+        heavy_starts = sum(1 for j in first if j in heavy)
+        assert 14 <= heavy_starts <= 16, f"weight-300 user got {heavy_starts} of the first 20 starts: {first}"
+        # `queue --order fairness` made the same 3:1 prediction before anything ran.
+        assert 14 <= sum(1 for j in predicted[:20] if j in heavy) <= 16
+        c.call(CancelRequest(job_ids=heavy + light), CancelResult)
+
+
+def test_show_gives_the_estimate_and_expected_start(daemon: DaemonHandle) -> None:
+    with daemon.client() as c:
+        first = submit(c, spec("sleep", "0.3", gpus=2))
+        wait_done(c, first)  # history: 'sleep 0.3' runs about 0.3 s
+        blocker = submit(c, spec("sleep", "60", gpus=2))
+        wait_until(lambda: state_of(c, blocker) is JobState.RUNNING, what="blocker running")
+        waiting = submit(c, spec("sleep", "0.3", gpus=2))
+        shown = c.call(ShowRequest(job_id=waiting), ShowResult)
+        assert shown.estimate is not None
+        assert 0.2 < shown.estimate.runtime_s < 5, shown.estimate
+        assert "this command" in shown.estimate.source
+        running = c.call(ShowRequest(job_id=blocker), ShowResult).estimate
+        assert running is not None and running.expected_end_at is not None
+        # The waiting job starts when the blocker is expected to end (its default estimate).
+        assert shown.estimate.expected_start_at == pytest.approx(running.expected_end_at, abs=1.0)
+        c.call(CancelRequest(job_ids=[blocker, waiting]), CancelResult)
