@@ -7,7 +7,8 @@ this job fit" (reservations) and "what if these jobs were preempted".
 
 Invariants `commit` keeps (and tests check): a device held exclusively holds nothing else; on a
 shared device Σ fraction <= 1, Σ gpu_mem <= device memory, clients <= the MPS client limit, and in
-`mps` mode every client has the same uid (one MPS server per device serves one user at a time).
+`mps` mode each user's clients go to that user's own MPS server on the device (a share from another
+user is placed there only when the caller allows it, `mps_any_uid`: those servers time-slice).
 
 Rules, in order of preference (each a tie-breaker for the one before):
 - precision affinity: half (fp16/bf16) and full (fp32/tf32) jobs kept on different devices when
@@ -216,7 +217,7 @@ class Cluster:
             if shared:
                 share = alloc.share or 0.0
                 mem = alloc.gpu_mem_mib or 0
-                if not _share_fits(dev, share, mem, job.uid):
+                if not _share_fits(dev, share, mem, job.uid, any_uid=True):  # place() applied the uid policy
                     raise ValueError(f"share does not fit on {uuid}")
                 dev.clients[job.id] = _Client(share, mem, job.uid, prec)
                 dev.used_fraction += share
@@ -268,10 +269,13 @@ class Cluster:
                    for d in self.devices.values())
 
     # ---- proposals -----------------------------------------------------------------------
-    def place(self, job: Job, forbidden: AbstractSet[str] = frozenset()) -> Allocation | None:
+    def place(self, job: Job, forbidden: AbstractSet[str] = frozenset(), *,
+              mps_any_uid: bool = False) -> Allocation | None:
         """The best allocation for the job on what is free now, or None. Changes nothing.
 
         `forbidden` devices are not considered (e.g. devices reserved for interactive jobs).
+        `mps_any_uid` lets a share join an MPS device where other users' servers run (it still
+        prefers one of its own or an empty one).
         """
         req = job.spec.request
         prec = precision_class(job.spec.precision)
@@ -286,7 +290,7 @@ class Cluster:
             if dev is None:
                 return None
             return Allocation(devices=[_alloc_dev(dev)], compute_fraction=dev.compute_fraction, env=env)
-        dev = self._pick_share(req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden)
+        dev = self._pick_share(req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
         if dev is None:
             return None
         return Allocation(devices=[_alloc_dev(dev)], compute_fraction=req.fraction * dev.compute_fraction,
@@ -336,17 +340,20 @@ class Cluster:
                                          self._gpu_idle_fraction(d.gpu_index), d.gpu_index, d.uuid))
 
     def _pick_share(
-        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: AbstractSet[str]
+        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: AbstractSet[str],
+        any_uid: bool = False,
     ) -> DeviceUse | None:
         best: DeviceUse | None = None
         best_key: tuple[object, ...] = ()
         for d in self.devices.values():
-            if not d.shared or d.uuid in forbidden or not _share_fits(d, fraction, mem, uid):
+            if not d.shared or d.uuid in forbidden or not _share_fits(d, fraction, mem, uid, any_uid=any_uid):
                 continue
             wrong = sum(1 for p in d.precs() if p != prec) if prec is not None else 0
             owner_miss = 1 if (d.mode == "mps" and not d.clients and d.mps_owner is not None
                                and d.mps_owner != uid) else 0
-            key = (wrong, 1 if not d.clients else 0, owner_miss,
+            # Other users' MPS servers on it: they time-slice with ours, so only when nothing better.
+            strangers = 1 if d.mode == "mps" and any(c.uid != uid for c in d.clients.values()) else 0
+            key = (wrong, strangers, 1 if not d.clients else 0, owner_miss,
                    1 - d.used_fraction - fraction, d.memory_mib - d.used_mem - mem, d.gpu_index, d.uuid)
             if best is None or key < best_key:
                 best, best_key = d, key
@@ -365,8 +372,6 @@ class Cluster:
                 out.append(f"{d.uuid}: share memory above {d.memory_mib} MiB")
             if len(d.clients) > d.max_clients:
                 out.append(f"{d.uuid}: more than {d.max_clients} clients")
-            if d.mode == "mps" and len({c.uid for c in d.clients.values()}) > 1:
-                out.append(f"{d.uuid}: MPS clients of several uids")
         return out
 
 
@@ -374,14 +379,14 @@ def _mode(value: str | None) -> str:
     return value if value in SHARE_MODES else "exclusive"
 
 
-def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int) -> bool:
+def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: bool = False) -> bool:
     if not d.shared or d.holder is not None:
         return False
     if d.used_fraction + fraction > 1 + _EPS or d.used_mem + mem > d.memory_mib:
         return False
     if len(d.clients) >= d.max_clients:
         return False
-    return not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
+    return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
 
 
 def _alloc_dev(d: DeviceUse) -> AllocatedDevice:

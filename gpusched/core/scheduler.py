@@ -19,12 +19,15 @@ import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from gpusched.core.estimate import Estimate, EstimatorConfig, RuntimeEstimator
 from gpusched.core.fairshare import FairnessConfig, FairShare
+from gpusched.core.interactive import HeadroomConfig, InteractiveDemand, choose_headroom
 from gpusched.core.migplan import MigPolicy, plan_dynamic
 from gpusched.core.placement import Cluster
 from gpusched.core.placement import unsatisfiable_reason as _unsatisfiable_reason
+from gpusched.core.preempt import Candidate, LossBudget, PreemptMode, choose_victims
 from gpusched.core.queue import RunQueue, request_fraction
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
@@ -52,7 +55,7 @@ class Snapshot:
     Added in v2 (all optional): `share_modes` device UUID -> exclusive|mps|timeslice (absent means
     exclusive); `dynamic` GPU indices whose MIG layout the scheduler may change; `mps_owner` device
     UUID -> uid of the MPS server running there now; `reserved_interactive` device UUIDs that only
-    interactive jobs may be given.
+    interactive jobs may be given; `checkpoint` whether preemption may checkpoint whole-GPU jobs.
     """
 
     gpus: tuple[Gpu, ...]
@@ -63,6 +66,8 @@ class Snapshot:
     dynamic: frozenset[int] = field(default_factory=frozenset)
     mps_owner: Mapping[str, int] = field(default_factory=dict)
     reserved_interactive: frozenset[str] = field(default_factory=frozenset)
+    checkpoint: bool = False  # whole-GPU jobs can be preempted with cuda-checkpoint (the engine can do it)
+    checkpoint_moves: bool = False  # a checkpointed job may resume on another GPU of its model (r580+ device map)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,7 @@ class DestroyInstance:
 class PreemptJob:
     job_id: int
     reason: str
+    mode: PreemptMode = "requeue"  # checkpoint: the job keeps its work and resumes on the same devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +133,13 @@ class SchedulerConfig:
     preempt_min_gain_s: float = 300.0  # preempt only if the job would otherwise wait longer than this
     preempt_min_run_s: float = 600.0  # a job runs at least this long before it may be preempted
     preempt_lag_margin_gpu_s: float = 900.0  # victims' owners must be this far above share (GPU-s)
-    preempt_max_per_job: int = 1  # a job is preempted at most this often, so every job finishes
+    preempt_max_per_job: int = 0  # a job is preempted at most this often (0: no cap; the loss budget bounds it)
+    preempt_budget_gpu_s: float = 4 * 3600.0  # work a user may lose to requeue preemption per day (GPU-s)
+    interactive: HeadroomConfig = field(default_factory=HeadroomConfig)
+    # Whose shares may join an MPS device where another user's server runs (each user has their own
+    # server there; servers time-slice): interactive jobs only, by default, because for them starting
+    # now at part speed beats waiting; batch jobs keep devices of their own.
+    mps_across_users: Literal["never", "interactive", "always"] = "interactive"
     backfill: bool = True
     backfill_unknown_horizon_s: float = 3600.0  # max time limit to backfill when the head's start is unknown
     # The head's reservation holds back jobs that would use its devices (and cannot prove they end in
@@ -160,6 +172,7 @@ class _Active:
     requeue: bool
     started: float
     job: Job
+    alloc: Allocation
     predicted: float  # expected run time when it started
     committed: float = 0.0
     used: float = 0.0
@@ -219,6 +232,11 @@ class Scheduler:
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
+        self._demand = InteractiveDemand(self.config.interactive.window_s)
+        self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
+        self._headroom: frozenset[str] = frozenset()
+        self._budget = LossBudget(self.config.preempt_budget_gpu_s)
+        self._pinned: dict[int, frozenset[str]] = {}  # checkpointed job -> the devices it resumes on
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
@@ -265,6 +283,8 @@ class Scheduler:
         if self._shape is None:  # node not seen yet: the first plan checks every queued job
             self._pending_since.setdefault(job.id, job.submitted_at)
             self.queue.submit(job)
+            if job.spec.job_class == "interactive":
+                self._interactive_pending[job.id] = request_fraction(job.spec.request)
             return
         reason = self._unsat(job)
         if reason is not None:
@@ -273,10 +293,14 @@ class Scheduler:
             return
         self._pending_since.setdefault(job.id, max(job.submitted_at, self._last_now))
         self.queue.submit(job)
+        if job.spec.job_class == "interactive":
+            self._interactive_pending[job.id] = request_fraction(job.spec.request)
 
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
         job = self.queue.remove(job_id)
+        self._interactive_pending.pop(job_id, None)
+        self._pinned.pop(job_id, None)
         if self._head_id == job_id:
             self._head_id = None
         self._pending_since.pop(job_id, None)
@@ -308,7 +332,7 @@ class Scheduler:
 
         cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
                                 unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner)
-        reserved = snapshot.reserved_interactive
+        reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
         head: Job | None = None
         fails: set[object] = set()
@@ -403,8 +427,14 @@ class Scheduler:
         self._user_memo = user_memo
 
         actions.extend(self._plan_mig(snapshot, cluster, mig_demand, doomed, now))
-        if head is not None:
-            actions.extend(self._preempt(cluster, head, now, reserved))
+        if not self._preempting:
+            waiting = self._waiting_interactive(now)
+            if waiting is not None:
+                actions.extend(self._preempt(cluster, waiting, now, reserved, snapshot.checkpoint,
+                                             snapshot.checkpoint_moves))
+            elif head is not None:
+                actions.extend(self._preempt(cluster, head, now, reserved, snapshot.checkpoint,
+                                             snapshot.checkpoint_moves))
         return actions
 
     # ---- state sync ----------------------------------------------------------------------
@@ -453,7 +483,7 @@ class Scheduler:
             if rec is None:  # started before this scheduler existed (restart) or outside it
                 started = job.started_at if job.started_at is not None else now
                 rec = _Active(job.user, job.uid, job.allocation.compute_fraction, max(started, first),
-                              running, job.spec.requeue, started, job, self.estimator.predict(job))
+                              running, job.spec.requeue, started, job, job.allocation, self.estimator.predict(job))
                 self._active[job.id] = rec
                 self._add_rate(rec, +1)
                 touched.add(job.user)
@@ -540,16 +570,24 @@ class Scheduler:
                claimed: frozenset[str] = frozenset()) -> Allocation | None:
         """Place with the pass's exclusions: interactive-only devices, instances the head claimed."""
         forbidden = claimed if job.spec.job_class == "interactive" else reserved | claimed
-        return cluster.place(job, forbidden=forbidden) if forbidden else cluster.place(job)
+        pinned = self._pinned.get(job.id)
+        if pinned is not None:  # a checkpointed job resumes on the devices that hold its state
+            forbidden = forbidden | (frozenset(cluster.devices) - pinned)
+        across = self.config.mps_across_users
+        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
+        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
+        self._interactive_pending.pop(job.id, None)
+        self._pinned.pop(job.id, None)
         if self._head_id == job.id:
             self._head_id = None
         predicted = self.queue.expected_of(job)
         self.queue.remove(job.id)
         self._pending_since.pop(job.id, None)
-        rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, predicted)
+        rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, alloc,
+                      predicted)
         rec.committed = self.fair.commitment(request_fraction(job.spec.request), predicted)
         self._active[job.id] = rec
         self._add_rate(rec, +1)
@@ -649,55 +687,101 @@ class Scheduler:
         out += [CreateInstance(c.gpu_index, c.profile, c.start, c.reason) for c in mplan.creates]
         return out
 
-    def _preempt(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str]) -> list[Action]:
-        """Preempt requeueable jobs of the users furthest above share for the long-waiting head.
+    def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
+        """Devices kept for interactive work this pass (core/interactive.py)."""
+        cfg = self.config.interactive
+        running = sum(rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive")
+        self._demand.observe(now, running + sum(self._interactive_pending.values()))
+        n = self._demand.devices_needed(now, cfg.max_devices)
+        if n == 0:
+            self._headroom = frozenset()
+            return self._headroom
+        interactive_on = frozenset(u for rec in self._active.values() if rec.job.spec.job_class == "interactive"
+                                   for u in rec.alloc.uuids)
+        ends: dict[str, float] = {}
+        for jid, rec in self._active.items():
+            if jid in cluster.held:
+                end = self._expected_end(rec, now)
+                for u in rec.alloc.uuids:
+                    ends[u] = max(ends.get(u, 0.0), end)
+        self._headroom = choose_headroom(cluster, n, interactive_on, ends, snapshot.reserved_interactive)
+        return self._headroom
 
-        Only the fairness head: it is the job the next pass places first, so the freed devices go to
-        it and not to a backfill job (which would only be preempted again).
+    def _waiting_interactive(self, now: float) -> Job | None:
+        """The interactive job that has waited longest, if past `interactive.preempt_after_s`."""
+        bound = self.config.interactive.preempt_after_s
+        if bound is None or not self._interactive_pending:
+            return None
+        jid = min(self._interactive_pending, key=lambda j: (self._pending_since.get(j, now), j))
+        if now - self._pending_since.get(jid, now) < bound:
+            return None
+        return self.queue.get(jid)
+
+    def _resume_devices(self, alloc: Allocation, moves: bool) -> frozenset[str]:
+        """Where a checkpointed job may resume: its own GPUs, or (when the driver can map devices on
+        restore) any whole GPU of the same model."""
+        if not moves:
+            return frozenset(alloc.uuids)
+        models = {g.model for g in self._gpus if g.uuid in alloc.uuids}
+        return frozenset(g.uuid for g in self._gpus if g.model in models and not g.mig_enabled)
+
+    def _preempt(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
+                 checkpoint: bool, moves: bool = False) -> list[Action]:
+        """Preempt batch jobs of users above share so a long-waiting job fits (core/preempt.py).
+
+        For the fairness head (its freed devices go to it, not to a backfill job that would only be
+        preempted again) or an interactive job waiting past its bound. Checkpointable whole-GPU
+        jobs go first (nothing is lost), then `--requeue` jobs within their user's daily budget.
         """
-        bound = self.config.preempt_after_s
-        res = self._reservation
-        waited = now - max(job.submitted_at, self._pending_since.get(job.id, job.submitted_at))
-        if bound is None or self._preempting or waited < bound:
-            return []
-        my_lag = self.fair.lag(job.user)
-        if job.spec.job_class != "interactive" and my_lag <= 0:
-            return []  # a batch job of a user at or above share waits its turn
-        if res is None or res.at - now <= self.config.preempt_min_gain_s:
-            return []  # running jobs will make room soon enough without losing work
-        margin = self.config.preempt_lag_margin_gpu_s
-        cands = sorted(
-            (self.fair.lag(rec.user), -rec.started, jid) for jid, rec in self._active.items()
-            if rec.requeue and rec.user != job.user and jid in cluster.held
-            and now - rec.started >= self.config.preempt_min_run_s
-            and self._times_preempted.get(jid, 0) < self.config.preempt_max_per_job
-            and self.fair.lag(rec.user) < min(my_lag - margin, -margin)
-        )
-        sim = cluster.copy()
-        victims: list[int] = []
-        for _, _, jid in cands:  # furthest above share first, then the most recently started
-            sim.release(jid)
-            victims.append(jid)
-            if self._place(sim, job, reserved) is not None:
-                break
+        interactive = job.spec.job_class == "interactive"
+        since = self._pending_since.get(job.id, job.submitted_at)
+        waited = now - max(job.submitted_at, since)
+        if interactive:
+            bound = self.config.interactive.preempt_after_s
+            if bound is None or waited < bound:
+                return []
         else:
-            return []  # even preempting every candidate would not make room
-        for jid in list(victims):  # drop victims that turn out not to be needed
-            trial = cluster.copy()
-            for other in victims:
-                if other != jid:
-                    trial.release(other)
-            if self._place(trial, job, reserved) is not None:
-                victims.remove(jid)
+            bound = self.config.preempt_after_s
+            res = self._reservation
+            if bound is None or waited < bound or self.fair.lag(job.user) <= 0:
+                return []  # a batch job of a user at or above share waits its turn
+            if res is None or res.at - now <= self.config.preempt_min_gain_s:
+                return []  # running jobs will make room soon enough without losing work
+        my_lag = self.fair.lag(job.user)
+        margin = self.config.preempt_lag_margin_gpu_s
+        cap = self.config.preempt_max_per_job
+        cands: list[Candidate] = []
+        for jid, rec in self._active.items():
+            if (rec.user == job.user or jid not in cluster.held or rec.job.spec.job_class == "interactive"
+                    or (cap and self._times_preempted.get(jid, 0) >= cap)
+                    or self.fair.lag(rec.user) >= min(my_lag - margin, -margin)):
+                continue
+            whole = rec.alloc.share is None and all(d.kind == "gpu" for d in rec.alloc.devices)
+            lost = rec.fraction * (now - rec.started)
+            if checkpoint and whole and rec.running:
+                cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+            elif (rec.requeue and now - rec.started >= self.config.preempt_min_run_s
+                  and self._budget.left(rec.user, now) >= lost):
+                cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
+        if not cands:
+            return []
+        victims = choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None)
+        if not victims:
+            return []
         out: list[Action] = []
-        for jid in victims:
-            rec = self._active[jid]
-            self._preempting[jid] = now
-            self._times_preempted[jid] = self._times_preempted.get(jid, 0) + 1
-            out.append(PreemptJob(jid, (
-                f"preempted for job {job.id} ({job.user}, {job.spec.job_class}, waiting "
-                f"{waited:.0f} s); {rec.user} is {-self.fair.lag(rec.user) / 3600:.2f} "
-                f"GPU-h above share")))
+        for cand in victims:
+            rec = self._active[cand.job_id]
+            self._preempting[cand.job_id] = now
+            self._times_preempted[cand.job_id] = self._times_preempted.get(cand.job_id, 0) + 1
+            if cand.mode == "checkpoint":
+                self._pinned[cand.job_id] = self._resume_devices(rec.alloc, moves)
+            else:
+                self._budget.spend(rec.user, now, cand.lost_gpu_s)
+            how = "checkpointed" if cand.mode == "checkpoint" else f"requeued, {cand.lost_gpu_s:.0f} GPU-s lost"
+            out.append(PreemptJob(cand.job_id, (
+                f"preempted ({how}) for job {job.id} ({job.user}, {job.spec.job_class}, waiting "
+                f"{waited:.0f} s); {rec.user} is {-self.fair.lag(rec.user) / 3600:.2f} GPU-h above share"),
+                cand.mode))
         return out
 
     # ---- explainability ------------------------------------------------------------------

@@ -155,10 +155,10 @@ class Engine:
     async def stop(self) -> None:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
         await asyncio.to_thread(self.devices.stop_watching)
-        held = {u for j in self.active_jobs() if j.allocation for u in j.allocation.uuids}
-        for uuid in self.mps.devices():
-            if uuid not in held:  # MPS daemons of running jobs stay: their clients still need them
-                await self._stop_mps(uuid)
+        held = {(u, j.uid) for j in self.active_jobs() if j.allocation for u in j.allocation.uuids}
+        for uuid, uid in self.mps.servers():
+            if (uuid, uid) not in held:  # MPS daemons of running jobs stay: their clients still need them
+                await self._stop_mps(uuid, uid)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -573,7 +573,8 @@ class Engine:
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
         try:
-            added = allocation_env(job, action.allocation, self.config) | await self._mps_env(action.allocation)
+            mps = await self._mps_env(action.allocation, job.uid)
+            added = allocation_env(job, action.allocation, self.config) | mps
         except GpuError as exc:
             self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
             return
@@ -598,29 +599,31 @@ class Engine:
         self._spawn(self._reap(job.id))
 
     def _release_mps(self, ended: Job) -> None:
-        """Quit a device's MPS control daemon once its last share has ended (a later share restarts it)."""
+        """Quit a user's MPS control daemon on a device once their last share there has ended."""
         if ended.allocation is None or ended.allocation.share is None:
             return
+        servers = set(self.mps.servers())
         for uuid in ended.allocation.uuids:
-            if uuid in self.mps.devices() and not any(
-                    j.id != ended.id and j.state in ACTIVE_STATES and j.allocation is not None
+            if (uuid, ended.uid) in servers and not any(
+                    j.id != ended.id and j.uid == ended.uid and j.state in ACTIVE_STATES and j.allocation is not None
                     and uuid in j.allocation.uuids for j in self.active_jobs()):
-                self._spawn(self._stop_mps(uuid))
+                self._spawn(self._stop_mps(uuid, ended.uid))
 
-    async def _stop_mps(self, uuid: str) -> None:
+    async def _stop_mps(self, uuid: str, uid: int | None) -> None:
         try:
-            await asyncio.to_thread(self.mps.stop, uuid)
+            await asyncio.to_thread(self.mps.stop, uuid, uid)
         except GpuError as exc:
-            log.warning("stopping the MPS control daemon of %s: %s", uuid, exc.message)
+            log.warning("stopping the MPS control daemon of %s (uid %s): %s", uuid, uid, exc.message)
 
-    async def _mps_env(self, allocation: Allocation) -> dict[str, str]:
-        """For a share on an `mps` device: start (or reuse) its control daemon and give the job its caps."""
+    async def _mps_env(self, allocation: Allocation, uid: int) -> dict[str, str]:
+        """For a share on an `mps` device: start (or reuse) the user's control daemon there, and give the
+        job its caps. One daemon per user and device, so several users' shares can be co-resident."""
         if allocation.share is None or len(allocation.devices) != 1:
             return {}
         uuid = allocation.devices[0].uuid
         if self.share_modes().get(uuid) != "mps":
             return {}
-        daemon = await asyncio.to_thread(self.mps.ensure, uuid)
+        daemon = await asyncio.to_thread(self.mps.ensure, uuid, uid)
         percent = max(1, min(100, round(allocation.share * 100)))
         return daemon.client_env(percent, allocation.gpu_mem_mib)
 

@@ -62,19 +62,29 @@ def _pid_alive(pid: int) -> bool:
 
 
 class MpsDaemon:
-    """One MPS control daemon bound to one device UUID."""
+    """One MPS control daemon bound to one device UUID, and optionally to one user.
+
+    Per-user daemons (`uid` set) are NVIDIA's "provisioning MPS on a per-user basis": each user's
+    clients get their own control daemon, server and pipe directory on the device, so two users'
+    shares can be on one GPU at once. Their servers are separate GPU contexts: a fatal fault in
+    one user's server cannot take the other's clients down, but the two servers time-slice rather
+    than run kernels side by side (docs/gpu.md, "MPS").
+    """
 
     def __init__(
         self,
         device: str,
         base_dir: str | os.PathLike[str],
         *,
+        uid: int | None = None,
         control_binary: str = DEFAULT_CONTROL_BINARY,
         timeout_s: float = 10.0,
     ) -> None:
         self.device = device
+        self.uid = uid
         # Short directory names: the pipe directory holds Unix sockets (108-byte path limit).
-        key = hashlib.sha1(device.encode()).hexdigest()[:12]
+        label = device if uid is None else f"{device}:{uid}"
+        key = hashlib.sha1(label.encode()).hexdigest()[:12]
         self.root = Path(base_dir) / key
         self.pipe_dir = self.root / "pipe"
         self.log_dir = self.root / "log"
@@ -227,7 +237,7 @@ class MpsDaemon:
 
 
 class MpsManager:
-    """All MPS daemons of the node, keyed by device UUID."""
+    """All MPS daemons of the node, keyed by device UUID and (for per-user daemons) uid."""
 
     def __init__(
         self,
@@ -239,28 +249,30 @@ class MpsManager:
         self.base_dir = Path(base_dir)
         self.control_binary = control_binary
         self.timeout_s = timeout_s
-        self._daemons: dict[str, MpsDaemon] = {}
+        self._daemons: dict[tuple[str, int | None], MpsDaemon] = {}
         self._lock = threading.Lock()
 
-    def daemon(self, device: str) -> MpsDaemon:
-        """The (possibly not yet started) daemon for a device."""
+    def daemon(self, device: str, uid: int | None = None) -> MpsDaemon:
+        """The (possibly not yet started) daemon for a device (and user)."""
         with self._lock:
-            if device not in self._daemons:
-                self._daemons[device] = MpsDaemon(
-                    device, self.base_dir, control_binary=self.control_binary, timeout_s=self.timeout_s
+            key = (device, uid)
+            if key not in self._daemons:
+                self._daemons[key] = MpsDaemon(
+                    device, self.base_dir, uid=uid, control_binary=self.control_binary, timeout_s=self.timeout_s
                 )
-            return self._daemons[device]
+            return self._daemons[key]
 
     def ensure(
-        self, device: str, *, default_thread_percentage: int | None = None, pinned_mem_limit_mib: int | None = None
+        self, device: str, uid: int | None = None, *, default_thread_percentage: int | None = None,
+        pinned_mem_limit_mib: int | None = None,
     ) -> MpsDaemon:
-        d = self.daemon(device)
+        d = self.daemon(device, uid)
         d.start(default_thread_percentage=default_thread_percentage, pinned_mem_limit_mib=pinned_mem_limit_mib)
         return d
 
-    def stop(self, device: str) -> None:
+    def stop(self, device: str, uid: int | None = None) -> None:
         with self._lock:
-            d = self._daemons.pop(device, None)
+            d = self._daemons.pop((device, uid), None)
         if d is not None:
             d.stop()
 
@@ -278,5 +290,11 @@ class MpsManager:
         return errors
 
     def devices(self) -> list[str]:
+        """Devices with at least one daemon."""
+        with self._lock:
+            return sorted({device for device, _ in self._daemons})
+
+    def servers(self) -> list[tuple[str, int | None]]:
+        """(device, uid) of every daemon; uid None for a device-wide one."""
         with self._lock:
             return list(self._daemons)

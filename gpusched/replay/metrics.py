@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from gpusched.core.accounting import jain_index, waits
-from gpusched.model import Job, JobState
+from gpusched.model import Job, JobState, ShareRequest, WholeRequest
 from gpusched.replay.sim import SimResult
 
 JSON_KEYS: tuple[str, ...] = (
@@ -112,14 +112,17 @@ def fairness(result: SimResult, weights: Mapping[str, float]) -> Fairness:
     """GPS-style comparison over the time users are backlogged (have a job waiting).
 
     While >= 2 users are backlogged, the service rate R(t) going to backlogged users is what a
-    weighted-fair scheduler would split by weight among them: user u is entitled to
-    R(t) * w_u / sum of backlogged weights, and receives its own rate. Both are integrated over time.
+    weighted-fair scheduler would split among them by weight, each capped at what it can use at
+    that moment (its pending and running jobs' GPUs; max-min "water-filling", so a user waiting
+    with one 0.1-GPU job is not entitled to half the node). Entitlement and the rate each user
+    receives are integrated over time.
     """
-    events: list[tuple[float, int, str, float]] = []  # (time, order, user, delta); order: rate before backlog
+    events: list[tuple[float, int, str, float]] = []  # (time, kind, user, delta); kind 0 rate, 1 backlog, 2 demand
     for job in result.jobs:
         for t0, t1, frac in result.segments.get(job.id, ()):
             events.append((t0, 0, job.user, frac))
             events.append((t1, 0, job.user, -frac))
+        want = _request_gpus(job)
         since: float | None = None
         for tr in job.history:
             if tr.state is JobState.PENDING:
@@ -129,29 +132,63 @@ def fairness(result: SimResult, weights: Mapping[str, float]) -> Fairness:
                 if tr.at > since:
                     events.append((since, 1, job.user, 1.0))
                     events.append((tr.at, 1, job.user, -1.0))
+                    events.append((since, 2, job.user, want))
+                    events.append((tr.at, 2, job.user, -want))
                 since = None
     events.sort(key=lambda e: (e[0], e[1]))
     rate: dict[str, float] = {}
     backlog: dict[str, int] = {}
+    waiting: dict[str, float] = {}  # GPUs' worth of pending jobs
     received: dict[str, float] = {}
     entitled: dict[str, float] = {}
     last = events[0][0] if events else 0.0
-    for t, order, user, delta in events:
+    for t, kind, user, delta in events:
         dt = t - last
         if dt > 0:
-            busy = [u for u, n in backlog.items() if n > 0]
+            busy = sorted(u for u, n in backlog.items() if n > 0)
             if len(busy) >= 2:
                 total_rate = sum(rate.get(u, 0.0) for u in busy)
-                total_w = sum(weights.get(u, 100.0) for u in busy)
+                caps = {u: rate.get(u, 0.0) + waiting.get(u, 0.0) for u in busy}
+                fair = water_fill(total_rate, {u: weights.get(u, 100.0) for u in busy}, caps)
                 for u in busy:
                     received[u] = received.get(u, 0.0) + rate.get(u, 0.0) * dt
-                    entitled[u] = entitled.get(u, 0.0) + total_rate * weights.get(u, 100.0) / total_w * dt
+                    entitled[u] = entitled.get(u, 0.0) + fair[u] * dt
             last = t
-        if order == 0:
+        if kind == 0:
             rate[user] = rate.get(user, 0.0) + delta
-        else:
+        elif kind == 1:
             backlog[user] = backlog.get(user, 0) + int(delta)
+        else:
+            waiting[user] = max(0.0, waiting.get(user, 0.0) + delta)
     return Fairness({u: received.get(u, 0.0) for u in entitled}, entitled)
+
+
+def water_fill(total: float, weights: Mapping[str, float], caps: Mapping[str, float]) -> dict[str, float]:
+    """Split `total` by weight, no one above their cap, what the capped leave going to the rest."""
+    out: dict[str, float] = {}
+    left_total = total
+    left = sorted(weights, key=lambda u: (caps[u] / weights[u], u))
+    left_w = sum(weights[u] for u in left)
+    for i, u in enumerate(left):
+        share = left_total * weights[u] / left_w if left_w > 0 else 0.0
+        if caps[u] <= share:
+            out[u] = caps[u]
+            left_total -= caps[u]
+            left_w -= weights[u]
+            continue
+        for v in left[i:]:  # everyone left can use more than their weighted share
+            out[v] = left_total * weights[v] / left_w if left_w > 0 else 0.0
+        break
+    return out
+
+
+def _request_gpus(job: Job) -> float:
+    req = job.spec.request
+    if isinstance(req, WholeRequest):
+        return float(req.gpus)
+    if isinstance(req, ShareRequest):
+        return req.fraction
+    return int(req.profile.split("g", 1)[0]) / 7
 
 
 def summarize(result: SimResult, weights: Mapping[str, float], skipped_by_parser: int) -> Summary:

@@ -54,12 +54,13 @@ class Interference:
     mps_slowdown: float = 0.0
     mig_create_s: float = 2.0
     mig_destroy_s: float = 1.0
+    checkpoint_restore_s: float = 10.0  # a checkpointed job's GPU state copied back (80 GB at ~8 GB/s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.timeslice_overhead < 1 or not 0 <= self.mps_slowdown < 1:
             raise ValueError("timeslice_overhead and mps_slowdown must be in [0, 1)")
-        if self.mig_create_s < 0 or self.mig_destroy_s < 0:
-            raise ValueError("mig_create_s and mig_destroy_s must be >= 0")
+        if self.mig_create_s < 0 or self.mig_destroy_s < 0 or self.checkpoint_restore_s < 0:
+            raise ValueError("mig_create_s, mig_destroy_s and checkpoint_restore_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class ReplayConfig:
     interference: Interference = field(default_factory=Interference)
     mig_gpus: int | None = None  # gpusched: dynamic-MIG GPUs; None = sized from the trace
     share_mode: Literal["mps", "timeslice"] = "mps"  # gpusched: mode of the MIG-off GPUs for shares
+    checkpoint: bool = True  # gpusched: the node has cuda-checkpoint (driver r550+), so preemption keeps work
     mig_max_waste: float = 0.05  # gpusched: serve a flexible share with MIG if it wastes <= this
     timeslice_replicas: int = 4  # fifo-timeslice: jobs per GPU at most
     static_layouts: tuple[str, ...] | None = None  # static-mig: class per GPU; None = sized from trace
@@ -214,6 +216,7 @@ class NodePlan:
     dynamic: frozenset[int] = frozenset()  # MIG on, empty, changed by the scheduler
     share_mode: str = "exclusive"  # of the MIG-off GPUs
     timeslice: bool = False  # every GPU time-sliced (fifo-timeslice)
+    checkpoint: bool = False  # preemption may checkpoint whole-GPU jobs (cuda-checkpoint)
     description: str = ""
 
     @property
@@ -438,7 +441,8 @@ def _gpusched(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayC
             weights[j.user] = j.weight
     sched_cfg = replace(config.scheduler, fairness=replace(config.scheduler.fairness, weights=weights))
     desc = (f"{n - m} MIG-off GPUs ({config.share_mode} shares), {m} dynamic-MIG GPUs ({note})")
-    node = NodePlan(models, dynamic=dynamic, share_mode=config.share_mode, description=desc)
+    node = NodePlan(models, dynamic=dynamic, share_mode=config.share_mode, checkpoint=config.checkpoint,
+                    description=desc)
     return PolicySetup("gpusched", node, convert, lambda: Scheduler(sched_cfg, incremental=True), incremental=True)
 
 

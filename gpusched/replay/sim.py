@@ -132,6 +132,7 @@ class Simulator:
         self.allocated = 0.0
         self.uids: dict[str, int] = {}
         self.requested: dict[int, float] = {}
+        self.restoring: set[int] = set()  # checkpointed jobs: their next start restores them
         self.expected: dict[int, float] = {}
 
     # ---- building jobs ---------------------------------------------------------------------------
@@ -200,7 +201,8 @@ class Simulator:
     def _snapshot(self) -> Snapshot:
         pending = () if self.policy.incremental else tuple(self.pending.values())
         return Snapshot(gpus=self.gpus, pending=pending, active=tuple(self.active.values()),
-                        share_modes=self.share_modes, dynamic=self.policy.node.dynamic)
+                        share_modes=self.share_modes, dynamic=self.policy.node.dynamic,
+                        checkpoint=self.policy.node.checkpoint, checkpoint_moves=self.policy.node.checkpoint)
 
     def _plan(self) -> None:
         for _ in range(_MAX_ROUNDS):
@@ -248,10 +250,12 @@ class Simulator:
         if job is None:
             return
         alloc = action.allocation
+        restore = self.inter.checkpoint_restore_s if job.id in self.restoring else 0.0
+        self.restoring.discard(job.id)
         if action.expected_s is not None:
             self.expected[job.id] = action.expected_s
         job = self._set(job, JobState.STARTING, action.reason, allocation=alloc, started_at=self.now)
-        ready = max([self.ready_at.get(u, self.now) for u in alloc.uuids] + [self.now])
+        ready = max([self.ready_at.get(u, self.now) for u in alloc.uuids] + [self.now]) + restore
         limit = job.spec.time_limit_s
         run = _Run(job.id, self.durations[job.id], self.now + limit if limit else math.inf, ready, self.now,
                    frac=alloc.compute_fraction, seg_start=self.now)
@@ -313,9 +317,15 @@ class Simulator:
 
     def _preempt(self, action: PreemptJob) -> None:
         job = self.active.get(action.job_id)
-        if job is None or not job.spec.requeue:
+        if job is None or (action.mode == "requeue" and not job.spec.requeue):
             return
+        run = self.runs[job.id]
         self._release(job.id)
+        if action.mode == "checkpoint":  # its progress is kept; it pays the restore when it resumes
+            self.durations[job.id] = run.work_left
+            self.restoring.add(job.id)
+        else:
+            self.durations[job.id] = self.trace[job.id - 1].duration_s
         job = self._set(job, JobState.PREEMPTED, action.reason, ended_at=self.now)
         job = self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, started_at=None,
                         ended_at=None)
@@ -334,13 +344,22 @@ class Simulator:
         speed = 1.0
         fracs: list[float] = []
         for g in run.groups:
-            k = len(self.groups.get(g, ()))
+            members = self.groups.get(g, ())
+            k = len(members)
             if g.startswith("ts:"):
                 if k >= 2:
                     speed = min(speed, (1 - self.inter.timeslice_overhead) / k)
                 fracs.append(1.0 / max(k, 1))
             elif k >= 2:
-                speed = min(speed, 1 - self.inter.mps_slowdown)
+                # One MPS server per user: a user's clients run side by side (mps_slowdown), and the
+                # servers of u users time-slice like separate processes ((1 - overhead) / u).
+                me = self.jobs[run.job_id].user
+                users = {self.jobs[m].user for m in members}
+                same = sum(1 for m in members if self.jobs[m].user == me)
+                g_speed = (1 - self.inter.mps_slowdown) if same >= 2 else 1.0
+                if len(users) >= 2:
+                    g_speed *= (1 - self.inter.timeslice_overhead) / len(users)
+                speed = min(speed, g_speed)
         frac = sum(fracs) if run.dyn_frac else run.frac
         return speed, frac
 
