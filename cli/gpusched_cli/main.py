@@ -736,8 +736,8 @@ def shutdown(ctx: click.Context) -> None:
 @click.option("--seed", type=int, default=1, show_default=True,
               help="alibaba: seed of the user assignment (and of the --times-from draw)")
 @click.option("--times-from", "times_from", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="alibaba pod list without time columns (multigpu50): take arrival and run times from this "
-                   "pod list (openb_pod_list_default.csv), by pod name, else from a pod drawn by hash")
+              help="for an alibaba pod list without time columns (multigpu50): take arrival and run times "
+                   "from FILE (e.g. openb_pod_list_default.csv), by pod name, else from a pod drawn by hash")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per policy, one per line (docs/replay.md)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: utilization over time and service per user")

@@ -1,6 +1,7 @@
 """Time-less Alibaba pod lists (multigpu50) replayed with times borrowed by --times-from.
 
-Fixtures: tests/fixtures/alibaba_timeless_pods.csv (8 pods, no time columns) and
+Fixtures (hand-written in the format of the alibaba/clusterdata cluster-trace-gpu-v2023 pod lists,
+ATC '23 "Beware of Fragmentation"): tests/fixtures/alibaba_timeless_pods.csv (8 pods, no time columns) and
 alibaba_timeless_times.csv (5 of those names with times: 3 replayable, one without a GPU, one never
 scheduled). Pods 0005-0007 have no namesake and must be given the times of one of the 3 replayable pods.
 """
