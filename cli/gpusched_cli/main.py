@@ -733,13 +733,18 @@ def shutdown(ctx: click.Context) -> None:
 @click.option("--load", type=float, default=None, help="scale arrivals to this offered load (alibaba default 0.9)")
 @click.option("--users", type=click.IntRange(1, 100000), default=16, show_default=True,
               help="alibaba: pods are spread over this many users (hash of name and seed)")
-@click.option("--seed", type=int, default=1, show_default=True, help="alibaba: seed of the user assignment")
+@click.option("--seed", type=int, default=1, show_default=True,
+              help="alibaba: seed of the user assignment (and of the --times-from draw)")
+@click.option("--times-from", "times_from", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="for an alibaba pod list without time columns (multigpu50): take arrival and run times "
+                   "from FILE (e.g. openb_pod_list_default.csv), by pod name, else from a pod drawn by hash")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per policy, one per line (docs/replay.md)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: utilization over time and service per user")
 @click.pass_context
 def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str | None, policy: str,
-           load: float | None, users: int, seed: int, as_json: bool, plot_path: str | None) -> None:
+           load: float | None, users: int, seed: int, times_from: str | None, as_json: bool,
+           plot_path: str | None) -> None:
     """Replay a job trace through the scheduler on simulated GPUs under a virtual clock (no daemon).
 
     Runs each policy on the same trace and prints their figures side by side. Exits 2 on a bad
@@ -751,7 +756,8 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
 
     try:
         report = runner.run_replay(trace, gpus=gpus, fmt=fmt, config_path=config_path,
-                                   policies=runner.resolve_policies(policy), load=load, users=users, seed=seed)
+                                   policies=runner.resolve_policies(policy), load=load, users=users, seed=seed,
+                                   times_from=times_from)
     except TraceError as exc:
         click.echo(f"gpusched: bad trace:\n{exc}", err=True)
         ctx.exit(EXIT_USAGE)
@@ -759,7 +765,7 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
         click.echo(f"gpusched: {exc}", err=True)
         ctx.exit(EXIT_USAGE)
     except OSError as exc:
-        click.echo(f"gpusched: {trace}: {exc.strerror}", err=True)
+        click.echo(f"gpusched: {exc.filename or trace}: {exc.strerror}", err=True)
         ctx.exit(EXIT_USAGE)
     if as_json:
         for summary in report.summaries:

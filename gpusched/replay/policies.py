@@ -48,10 +48,21 @@ class Interference:
     (1 - timeslice_overhead) / k. MPS clients sharing a device run at 1 - mps_slowdown. A MIG
     create or destroy keeps its GPU's changed slices busy for mig_create_s / mig_destroy_s (operations
     on one GPU are serial), and a job started on a new instance makes no progress until it exists.
+
+    Defaults come from published measurements (sources and exact figures in docs/replay.md), not
+    from what flatters sharing:
+    - mps_slowdown 0.15: seven measured MPS clients sharing a GPU with one other client lost 6.6-33.8 %
+      of their speed against running alone on the same share (median 12.3 %, mean 18.6 %): NVIDIA
+      developer forum threads 312930 (50 %/50 %: +10 % and +40 % latency) and 326201 (DenseNet121, 10/90 and 20/80 %:
+      +48/+7 % and +51/+14 %), and a vLLM A100 case study (two clients: -7.5 % throughput). Under
+      memory contention ~30 % (Villarrubia et al., arXiv 2604.22430), which is the sensitivity "high".
+    - timeslice_overhead 0.20: NVIDIA's A100 benchmark of two models time-sliced on one GPU gave 0.76
+      requests/s per GPU against 1.00 with MIG (24 % less); the 10 % used before is the low end of a
+      vendor's unmeasured 10-30 % claim. No measurement of the slice lengths themselves is published.
     """
 
-    timeslice_overhead: float = 0.10
-    mps_slowdown: float = 0.0
+    timeslice_overhead: float = 0.20
+    mps_slowdown: float = 0.15
     mig_create_s: float = 2.0
     mig_destroy_s: float = 1.0
     checkpoint_restore_s: float = 10.0  # a checkpointed job's GPU state copied back (80 GB at ~8 GB/s)

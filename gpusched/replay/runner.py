@@ -39,14 +39,18 @@ def resolve_policies(name: str) -> list[str]:
 
 def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto", config_path: str | None = None,
                policies: Sequence[str] = POLICIES, load: float | None = None, users: int = 16, seed: int = 1,
-               config: ReplayConfig | None = None, limit: int | None = None) -> ReplayReport:
-    """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input."""
+               config: ReplayConfig | None = None, limit: int | None = None,
+               times_from: str | None = None) -> ReplayReport:
+    """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input.
+
+    `times_from`: an Alibaba pod list whose times a time-less pod list borrows (docs/replay.md).
+    """
     began = time.perf_counter()
     models = parse_gpus(gpus)
     cfg = config if config is not None else load_config(config_path)
     memory = min(MODELS[m].memory_mib for m in models)
     trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
-                       seed=seed, limit=limit)
+                       seed=seed, limit=limit, times_from=times_from)
     if not trace.jobs:
         raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
     report = ReplayReport(trace, gpus)
@@ -92,6 +96,9 @@ def render_table(report: ReplayReport) -> str:
     t = report.trace
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(t.skipped.items())) or "none"
     head = [f"trace {t.path} ({t.format}): {len(t.jobs)} jobs, {len(t.users())} users; rows skipped: {skipped}"]
+    if t.times_from is not None:
+        head.append(f"times from {t.times_from}: {t.times_matched} rows by pod name, {t.times_drawn} rows drawn "
+                    "by hash of seed and name")
     if t.time_scale != 1.0:
         head.append(f"arrival times scaled by {t.time_scale:.4g} to reach the requested load")
     head.append(f"node {report.gpus}")

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from gpusched.model import MigRequest, ShareRequest, WholeRequest
+from gpusched.replay.timesource import TIME_COLUMNS, load_time_source
 
 Request = WholeRequest | MigRequest | ShareRequest
 TraceFormat = Literal["csv", "alibaba"]
@@ -26,6 +27,7 @@ CSV_REQUIRED = ("submit_time", "duration", "user")
 CSV_KINDS = ("gpus", "mig", "share")
 CSV_OPTIONAL = ("gpu_mem", "class", "weight", "time_limit", "requeue", "precision", "name")
 ALIBABA_COLUMNS = ("name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time")
+ALIBABA_REQUEST_COLUMNS = ("num_gpu", "gpu_milli")  # enough to recognise a pod list, with or without times
 MAX_ERRORS = 50  # a trace with more bad rows is reported by its first 50
 
 
@@ -96,6 +98,9 @@ class Trace:
     jobs: list[TraceJob]
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> rows
     time_scale: float = 1.0  # arrival times were multiplied by this (--load)
+    times_from: str | None = None  # pod list the arrival and run times were borrowed from (--times-from)
+    times_matched: int = 0  # rows that took the times of the pod of the same name there
+    times_drawn: int = 0  # rows with no such pod, given the times of a pod drawn by hash
 
     @property
     def skipped_total(self) -> int:
@@ -110,25 +115,35 @@ class Trace:
 
 
 def detect_format(path: str) -> TraceFormat:
-    """`alibaba` when the header has the pod-list columns, else `csv`."""
+    """`alibaba` when the header has the pod-list request columns (times or not), else `csv`.
+
+    The time-less variants (multigpu50) must be recognised too, so that the user is told to give
+    --times-from rather than that every generic-CSV column is missing.
+    """
     with open(path, newline="", encoding="utf-8") as fh:
         header = next(csv.reader(fh), [])
     cols = {c.strip() for c in header}
-    return "alibaba" if {"num_gpu", "gpu_milli", "scheduled_time"} <= cols else "csv"
+    return "alibaba" if set(ALIBABA_REQUEST_COLUMNS) <= cols else "csv"
 
 
 def load_trace(path: str, fmt: str = "auto", *, gpus: int = 8, gpu_memory_mib: int = 81559,
-               load: float | None = None, users: int = 16, seed: int = 1, limit: int | None = None) -> Trace:
-    """Parse `path` in `fmt` (auto|csv|alibaba). Raises TraceError (bad rows) or OSError."""
+               load: float | None = None, users: int = 16, seed: int = 1, limit: int | None = None,
+               times_from: str | None = None) -> Trace:
+    """Parse `path` in `fmt` (auto|csv|alibaba). Raises TraceError (bad rows), ValueError or OSError.
+
+    `times_from`: an Alibaba pod list with times, for a pod list without them (timesource.py).
+    """
     kind = detect_format(path) if fmt == "auto" else fmt
     if kind == "csv":
+        if times_from is not None:
+            raise ValueError("--times-from is for Alibaba pod lists without time columns, not for a generic CSV")
         trace = parse_csv(path, limit=limit)
         if load is not None:
             trace = scale_to_load(trace, load, gpus)
         return trace
     if kind == "alibaba":
-        return parse_alibaba(path, gpus=gpus, gpu_memory_mib=gpu_memory_mib,
-                             load=0.9 if load is None else load, users=users, seed=seed, limit=limit)
+        return parse_alibaba(path, gpus=gpus, gpu_memory_mib=gpu_memory_mib, load=0.9 if load is None else load,
+                             users=users, seed=seed, limit=limit, times_from=times_from)
     raise ValueError(f"unknown trace format {fmt!r}; use auto, csv or alibaba")
 
 
@@ -292,12 +307,14 @@ def user_of(name: str, users: int, seed: int) -> str:
 
 
 def parse_alibaba(path: str, *, gpus: int, gpu_memory_mib: int, load: float = 0.9, users: int = 16,
-                  seed: int = 1, limit: int | None = None) -> Trace:
+                  seed: int = 1, limit: int | None = None, times_from: str | None = None) -> Trace:
     """Alibaba `openb_pod_list_*.csv` -> jobs (mapping in docs/replay.md).
 
     num_gpu >= 1 with gpu_milli = 1000 -> N whole GPUs; num_gpu == 1 with gpu_milli < 1000 -> a share
     of gpu_milli/1000 with that fraction of `gpu_memory_mib`; duration = deletion - scheduled time.
     Pods never scheduled, without GPUs, or with no positive duration are skipped and counted.
+    A pod list without time columns needs `times_from` (timesource.py): each row then takes the
+    times of the pod of the same name there, or of one drawn by a hash of seed and name.
     """
     if users < 1:
         raise ValueError("--users must be at least 1")
@@ -306,21 +323,36 @@ def parse_alibaba(path: str, *, gpus: int, gpu_memory_mib: int, load: float = 0.
     errs = _Errors()
     with open(path, newline="", encoding="utf-8") as fh:
         header = [c.strip() for c in next(csv.reader(fh), [])]
+    own_times = [c for c in TIME_COLUMNS if c in header]
+    if times_from is not None and own_times:
+        raise ValueError(f"{path} has its own time columns ({', '.join(own_times)}); --times-from is only for "
+                         "pod lists without them")
+    timeless = not own_times
     for c in ALIBABA_COLUMNS:
-        if c not in header:
+        if c not in header and not (c in TIME_COLUMNS and (timeless or times_from is not None)):
             errs.add(1, c, "Alibaba pod-list column missing from the header")
+    if timeless and times_from is None:
+        errs.add(1, "|".join(TIME_COLUMNS), "no time columns in the header, so no arrival or run times: take them "
+                 "from a pod list with the same pod names (e.g. openb_pod_list_default.csv) with --times-from PATH")
     if errs:
         raise TraceError(path, errs.items, more=errs.more)
+    source = load_time_source(times_from) if times_from is not None else None
     skipped: Counter[str] = Counter()
     jobs: list[TraceJob] = []
+    matched = drawn = 0
     for line, row in _rows(path, limit):
+        if source is not None:
+            row, by_name = source.fill(row, f"line{line}", seed)
+            matched += by_name
+            drawn += not by_name
         job = _alibaba_job(errs, skipped, line, row, gpu_memory_mib, users, seed)
         if job is not None:
             jobs.append(job)
     if errs:
         raise TraceError(path, errs.items, more=errs.more)
     jobs.sort(key=lambda j: (j.submit_s, j.line))
-    return scale_to_load(Trace(path, "alibaba", jobs, skipped), load, gpus)
+    trace = Trace(path, "alibaba", jobs, skipped, times_from=times_from, times_matched=matched, times_drawn=drawn)
+    return scale_to_load(trace, load, gpus)
 
 
 def _alibaba_job(errs: _Errors, skipped: Counter[str], line: int, row: dict[str, str], mem_total: int,
@@ -382,7 +414,7 @@ def scale_to_load(trace: Trace, load: float, gpus: int) -> Trace:
         return trace
     scale = demand / (gpus * load) / span
     jobs = [_moved(j, t0 + (j.submit_s - t0) * scale) for j in trace.jobs]
-    return Trace(trace.path, trace.format, jobs, trace.skipped, trace.time_scale * scale)
+    return replace(trace, jobs=jobs, time_scale=trace.time_scale * scale)
 
 
 def _moved(job: TraceJob, submit: float) -> TraceJob:

@@ -44,11 +44,12 @@ def test_fifo_whole_by_hand(write_csv: Callable[[str], str]) -> None:
 
 
 def test_timeslice_slows_co_resident_jobs(write_csv: Callable[[str], str]) -> None:
-    # One GPU, two jobs of 100 s at once: each at (1 - 0.1) / 2 until the first ends.
+    # One GPU, two jobs of 100 s at once: each at (1 - overhead) / 2 until the first ends.
     path = write_csv("submit_time,duration,user,gpus\n0,100,a,1\n0,100,b,1\n")
     report = run_replay(path, gpus="H100-80GB:1", policies=["fifo-timeslice"])
     ends = sorted(j.ended_at or 0 for j in report.results[0].jobs)
-    assert ends == pytest.approx([100 / 0.45, 100 / 0.45])
+    speed = (1 - Interference().timeslice_overhead) / 2
+    assert ends == pytest.approx([100 / speed, 100 / speed])
     assert report.summaries[0]["utilization"] == pytest.approx(1.0)
 
 
