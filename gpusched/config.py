@@ -96,7 +96,26 @@ class SchedulerSection(BaseModel):
     preempt_lag_margin_gpu_s: float = Field(
         default=900.0, ge=0, description="the victim's user must be at least this far (GPU-seconds) above their share"
     )
-    preempt_max_per_job: int = Field(default=1, ge=0, description="how often one job may be preempted")
+    preempt_max_per_job: int = Field(default=0, ge=0, description="how often one job may be preempted (0: no cap; "
+                                     "preempt_budget_gpu_s bounds the loss)")
+    preempt_budget_gpu_s: float = Field(
+        default=4 * 3600.0, ge=0, description="work (GPU-seconds) a user's --requeue jobs may lose to preemption "
+        "per day; a job whose loss would exceed what is left is not requeued",
+    )
+    interactive_window_s: float = Field(
+        default=3600.0, ge=0, description="while interactive jobs were seen this recently, devices are kept for them"
+    )
+    interactive_headroom_gpus: int = Field(
+        default=1, ge=0, le=64, description="most devices kept for interactive work (sized from recent demand); 0: none"
+    )
+    interactive_preempt_after_s: float | None = Field(
+        default=0.0, ge=0, description="an interactive job that has waited this long may preempt batch work on the "
+        "headroom; unset: never",
+    )
+    mps_across_users: Literal["never", "interactive", "always"] = Field(
+        default="interactive", description="whose shares may join an MPS device where another user's MPS server "
+        "runs (one server per user; servers time-slice)",
+    )
     backfill_unknown_horizon_s: float = Field(
         default=3600.0, ge=0, description="longest --time a job may have to backfill when the head's start is unknown"
     )

@@ -3,10 +3,10 @@
 Why: an interactive user who finds every GPU taken by a day-long training run waits a day, and
 fair share alone cannot help, because nothing ends. The seed's answer (keep an instance for
 latency-sensitive work) is a reservation sized from demand: while interactive jobs have been
-seen in the last `window_s`, up to `max_devices` share-capable devices are kept for them, the
+seen in the last `interactive_window_s`, up to `interactive_headroom_gpus` devices are kept for them, the
 ones already serving interactive jobs first, then share-capable and idle ones, then those whose batch jobs are
 expected to end soonest. Batch jobs may not start there; when a device in the headroom is still
-held by batch work, interactive jobs that wait past `preempt_after_s` may preempt it
+held by batch work, interactive jobs that wait past `interactive_preempt_after_s` may preempt it
 (scheduler.py). When interactive users go quiet for a window, the headroom goes back to batch.
 
 Pure: times are passed in.
@@ -17,24 +17,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from gpusched.core.placement import Cluster
-
-
-@dataclass(frozen=True, slots=True)
-class HeadroomConfig:
-    """`[scheduler]` interactive_* keys."""
-
-    window_s: float = 3600.0  # interactive demand this recent keeps headroom
-    max_devices: int = 1  # most devices kept for interactive work (0: no headroom)
-    preempt_after_s: float | None = 0.0  # an interactive job waiting this long may preempt batch work
-
-    def __post_init__(self) -> None:
-        if self.window_s < 0 or self.max_devices < 0:
-            raise ValueError("interactive window_s and max_devices must be >= 0")
-        if self.preempt_after_s is not None and self.preempt_after_s < 0:
-            raise ValueError("interactive preempt_after_s must be >= 0")
 
 
 class InteractiveDemand:

@@ -23,7 +23,7 @@ from typing import Literal
 
 from gpusched.core.estimate import Estimate, EstimatorConfig, RuntimeEstimator
 from gpusched.core.fairshare import FairnessConfig, FairShare
-from gpusched.core.interactive import HeadroomConfig, InteractiveDemand, choose_headroom
+from gpusched.core.interactive import InteractiveDemand, choose_headroom
 from gpusched.core.migplan import MigPolicy, plan_dynamic
 from gpusched.core.placement import Cluster
 from gpusched.core.placement import unsatisfiable_reason as _unsatisfiable_reason
@@ -135,7 +135,9 @@ class SchedulerConfig:
     preempt_lag_margin_gpu_s: float = 900.0  # victims' owners must be this far above share (GPU-s)
     preempt_max_per_job: int = 0  # a job is preempted at most this often (0: no cap; the loss budget bounds it)
     preempt_budget_gpu_s: float = 4 * 3600.0  # work a user may lose to requeue preemption per day (GPU-s)
-    interactive: HeadroomConfig = field(default_factory=HeadroomConfig)
+    interactive_window_s: float = 3600.0  # interactive demand this recent keeps headroom (core/interactive.py)
+    interactive_headroom_gpus: int = 1  # most devices kept for interactive work (0: none)
+    interactive_preempt_after_s: float | None = 0.0  # an interactive job waiting this long may preempt
     # Whose shares may join an MPS device where another user's server runs (each user has their own
     # server there; servers time-slice): interactive jobs only, by default, because for them starting
     # now at part speed beats waiting; batch jobs keep devices of their own.
@@ -232,7 +234,7 @@ class Scheduler:
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
-        self._demand = InteractiveDemand(self.config.interactive.window_s)
+        self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
         self._budget = LossBudget(self.config.preempt_budget_gpu_s)
@@ -689,10 +691,9 @@ class Scheduler:
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
         """Devices kept for interactive work this pass (core/interactive.py)."""
-        cfg = self.config.interactive
         running = sum(rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive")
         self._demand.observe(now, running + sum(self._interactive_pending.values()))
-        n = self._demand.devices_needed(now, cfg.max_devices)
+        n = self._demand.devices_needed(now, self.config.interactive_headroom_gpus)
         if n == 0:
             self._headroom = frozenset()
             return self._headroom
@@ -708,8 +709,8 @@ class Scheduler:
         return self._headroom
 
     def _waiting_interactive(self, now: float) -> Job | None:
-        """The interactive job that has waited longest, if past `interactive.preempt_after_s`."""
-        bound = self.config.interactive.preempt_after_s
+        """The interactive job that has waited longest, if past `interactive_preempt_after_s`."""
+        bound = self.config.interactive_preempt_after_s
         if bound is None or not self._interactive_pending:
             return None
         jid = min(self._interactive_pending, key=lambda j: (self._pending_since.get(j, now), j))
@@ -737,7 +738,7 @@ class Scheduler:
         since = self._pending_since.get(job.id, job.submitted_at)
         waited = now - max(job.submitted_at, since)
         if interactive:
-            bound = self.config.interactive.preempt_after_s
+            bound = self.config.interactive_preempt_after_s
             if bound is None or waited < bound:
                 return []
         else:

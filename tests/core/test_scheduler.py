@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpusched.core.fairshare import FairnessConfig
-from gpusched.core.interactive import HeadroomConfig
 from gpusched.core.migplan import MigPolicy
 from gpusched.core.placement import Cluster
 from gpusched.core.scheduler import (
@@ -175,7 +174,7 @@ def test_no_backfill_when_disabled() -> None:
 
 def test_preemption_serves_a_long_waiting_interactive_job() -> None:
     cfg = SchedulerConfig(preempt_after_s=600, preempt_min_gain_s=60, preempt_lag_margin_gpu_s=300,
-                          interactive=HeadroomConfig(preempt_after_s=600))
+                          interactive_preempt_after_s=600)
     n = Node(Scheduler(cfg, incremental=True), [gpu(0), gpu(1)])
     n.submit(job(1, "bob", requeue=True), 10_000)
     n.submit(job(2, "bob", requeue=True), 10_000)
