@@ -34,6 +34,7 @@ from gpusched.gpu.backend import (
     MigModeChange,
     XidEvent,
 )
+from gpusched.gpu.holders import describe, instance_holders
 from gpusched.gpu.profiles import CI_ENUM_BY_SLICES, MODELS, model_from_name, profile_by_id, profile_by_name
 
 MiB = 1024 * 1024
@@ -52,7 +53,8 @@ _ERROR_CLASSES: dict[int, type[GpuError]] = {
     4: GpuPermissionError,  # NO_PERMISSION
 }
 _HINTS: dict[int, str] = {
-    4: "MIG changes need root or the mig/config capability",
+    # nvml.h marks MIG writes and the GI/CI enumeration reads "Requires privileged user".
+    4: "MIG changes, and reading the MIG layout, need root (or the mig/config capability)",
     15: "the GPU stopped answering; it needs a reset or a reboot",
 }
 
@@ -60,8 +62,9 @@ _HINTS: dict[int, str] = {
 class NvmlBackend:
     """GpuBackend over pynvml or simnvml. Safe to call from the loop while `wait_event` blocks."""
 
-    def __init__(self, nvml: Any, *, init: bool = True) -> None:
+    def __init__(self, nvml: Any, *, init: bool = True, proc_root: str = "/proc") -> None:
         self._nvml = nvml
+        self._proc_root = proc_root  # where to look for who holds a MIG instance open (tests: a temp dir)
         self._lock = threading.Lock()  # guards the event set and pending-loss bookkeeping
         self._event_set: Any = None
         self._registered: set[int] = set()
@@ -200,22 +203,42 @@ class NvmlBackend:
                 instances.append(self._read_instance(index, arr[k], info, model, uuids))
         return tuple(sorted(instances, key=lambda inst: inst.start))
 
+    def _gi_compute_instances(self, gi: Any) -> list[tuple[Any, Any]]:
+        """Every CI of a GI with its CI profile info, over all CI profiles the GI offers.
+
+        Other tools may create CIs of any profile (e.g. 1_SLICE_REV1 on a 1g.20gb GI, which Hopper
+        accepts), so we do not assume the one we would have created.
+        """
+        nvml = self._nvml
+        out: list[tuple[Any, Any]] = []
+        for enum in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+            prof = self._call_opt(
+                "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, enum,
+                nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                none_on=(GpuNotSupportedError, GpuInvalidArgumentError),
+            )
+            if prof is None:
+                continue
+            arr = (nvml.c_nvmlComputeInstance_t * max(1, int(prof.instanceCount)))()
+            count = ctypes.c_uint(0)
+            self._call("nvmlGpuInstanceGetComputeInstances", gi, prof.id, arr, ctypes.byref(count))
+            out.extend((arr[k], prof) for k in range(count.value))
+        return out
+
     def _read_instance(
         self, index: int, gi: Any, info: Any, model: str | None, uuids: dict[tuple[int, int], str]
     ) -> Instance:
-        nvml = self._nvml
+        """One GI with its single CI, whatever that CI's profile (its SMs are what jobs get)."""
         gi_info = self._call("nvmlGpuInstanceGetInfo", gi)
         gi_id = int(gi_info.id)
-        full = self._full_ci_profile(gi, int(info.sliceCount))
-        cis = (nvml.c_nvmlComputeInstance_t * 8)()
-        count = ctypes.c_uint(0)
-        self._call("nvmlGpuInstanceGetComputeInstances", gi, full.id, cis, ctypes.byref(count))
-        if count.value != 1 or len([key for key in uuids if key[0] == gi_id]) != 1:
+        cis = self._gi_compute_instances(gi)
+        if len(cis) != 1 or len([key for key in uuids if key[0] == gi_id]) != 1:
             raise GpuInvalidArgumentError(
-                f"GPU {index}: GPU instance {gi_id} does not hold exactly one full-size compute instance",
-                hint="gpusched manages one full-size CI per GI; remove it with `nvidia-smi mig -dci/-dgi`",
+                f"GPU {index}: GPU instance {gi_id} holds {len(cis)} compute instances; gpusched needs exactly one",
+                hint="gpusched manages one compute instance per GI; remove the others with `nvidia-smi mig -dci`",
             )
-        ci_id = int(self._call("nvmlComputeInstanceGetInfo", cis[0]).id)
+        ci, ci_prof = cis[0]
+        ci_id = int(self._call("nvmlComputeInstanceGetInfo", ci).id)
         uuid = uuids.get((gi_id, ci_id))
         if uuid is None:
             raise GpuNotFoundError(f"GPU {index}: no MIG device for GI {gi_id} CI {ci_id}")
@@ -231,7 +254,7 @@ class NvmlBackend:
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
             memory_mib=int(info.memorySizeMB),
-            sm_count=int(full.multiprocessorCount),
+            sm_count=int(ci_prof.multiprocessorCount),
         )
 
     def _full_ci_profile(self, gi: Any, slices: int) -> Any:
@@ -313,7 +336,12 @@ class NvmlBackend:
         return valid[start]
 
     def destroy_instance(self, uuid: str) -> None:
-        """Destroy a MIG instance (CI, then GI). Busy -> GpuBusyError naming pids; nothing destroyed."""
+        """Destroy a MIG instance (CI, then GI), all or nothing.
+
+        Busy -> GpuBusyError naming the pids, or, when the driver says "in use" with no compute process
+        (a handle holder such as DCGM), naming who holds it. If the GI refuses after its CI is gone,
+        the CI is created again so the instance stays whole (under a new MIG UUID, given in the error).
+        """
         mig = self._call("nvmlDeviceGetHandleByUUID", uuid, what=uuid)
         if not int(self._call("nvmlDeviceIsMigDeviceHandle", mig).value):
             raise GpuInvalidArgumentError(f"{uuid} is a whole GPU, not a MIG instance")
@@ -322,23 +350,58 @@ class NvmlBackend:
             pids = ", ".join(str(p.pid) for p in procs)
             raise GpuBusyError(f"MIG instance {uuid} has running processes: {pids}")
         parent = self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", mig)
-        gi = self._call("nvmlDeviceGetGpuInstanceById", parent, int(self._call("nvmlDeviceGetGpuInstanceId", mig)))
-        ci = self._call(
-            "nvmlGpuInstanceGetComputeInstanceById", gi, int(self._call("nvmlDeviceGetComputeInstanceId", mig))
-        )
-        slices = int(self._call("nvmlComputeInstanceGetInfo", ci).placement.size)
-        gi_slices = self._call(
-            "nvmlDeviceGetGpuInstanceProfileInfoById", parent, int(self._call("nvmlGpuInstanceGetInfo", gi).profileId)
-        ).sliceCount
-        if slices != int(gi_slices):
+        gi_id = int(self._call("nvmlDeviceGetGpuInstanceId", mig))
+        ci_id = int(self._call("nvmlDeviceGetComputeInstanceId", mig))
+        if sum(1 for key in self._mig_devices(parent) if key[0] == gi_id) != 1:
             raise GpuBusyError(f"MIG instance {uuid} shares its GPU instance with other compute instances")
-        self._call("nvmlComputeInstanceDestroy", ci, what=uuid)
+        gi = self._call("nvmlDeviceGetGpuInstanceById", parent, gi_id)
+        ci = self._call("nvmlGpuInstanceGetComputeInstanceById", gi, ci_id)
+        ci_profile = int(self._call("nvmlComputeInstanceGetInfo", ci).profileId)
+        try:
+            self._call("nvmlComputeInstanceDestroy", ci, what=uuid)
+        except GpuBusyError:
+            raise GpuBusyError(
+                f"MIG instance {uuid}: the driver refused to destroy its compute instance (in use); "
+                f"{self._holders(parent, gi_id, ci_id)}; nothing was destroyed",
+                hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry",
+            ) from None
         try:
             self._call("nvmlGpuInstanceDestroy", gi, what=uuid)
         except GpuError as err:
-            left = "the compute instance was destroyed, the GPU instance remains"
-            err.hint = f"{err.hint}; {left}" if err.hint else left
-            raise
+            raise self._restore_ci(uuid, parent, gi, gi_id, ci_profile, err) from err
+
+    def _holders(self, parent: Any, gi_id: int, ci_id: int | None) -> str:
+        minor = self._call_opt("nvmlDeviceGetMinorNumber", parent, none_on=(GpuError,))
+        if minor is None:
+            return describe([])
+        return describe(instance_holders(int(minor), gi_id, ci_id, proc_root=self._proc_root))
+
+    def _restore_ci(self, uuid: str, parent: Any, gi: Any, gi_id: int, ci_profile: int, err: GpuError) -> GpuError:
+        """The GI refused after its CI was destroyed: put a CI back so no half instance is left."""
+        who = self._holders(parent, gi_id, None) if isinstance(err, GpuBusyError) else err.message
+        try:
+            self._call("nvmlGpuInstanceCreateComputeInstance", gi, ci_profile, what=uuid)
+            ci_id = int(self._call("nvmlComputeInstanceGetInfo", self._only_ci(gi, ci_profile)).id)
+            new_uuid = self._mig_devices(parent).get((gi_id, ci_id), "?")
+        except GpuError as again:
+            return GpuError(
+                f"MIG instance {uuid}: its GPU instance {gi_id} refused to go ({who}) after the compute "
+                f"instance was destroyed, and re-creating the compute instance failed: {again.message}",
+                hint="the GPU instance is left without a compute instance; remove it with `nvidia-smi mig -dgi`",
+            )
+        return type(err)(
+            f"MIG instance {uuid}: its GPU instance {gi_id} refused to be destroyed ({who}); the compute "
+            f"instance was re-created, so the instance is whole again as {new_uuid}",
+            hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry",
+        )
+
+    def _only_ci(self, gi: Any, ci_profile: int) -> Any:
+        arr = (self._nvml.c_nvmlComputeInstance_t * 8)()
+        count = ctypes.c_uint(0)
+        self._call("nvmlGpuInstanceGetComputeInstances", gi, ci_profile, arr, ctypes.byref(count))
+        if count.value != 1:
+            raise GpuNotFoundError(f"expected one compute instance of profile {ci_profile}, found {count.value}")
+        return arr[0]
 
     def set_mig_mode(self, gpu_index: int, enabled: bool) -> MigModeChange:
         """Ask for a MIG mode. The driver answers with an activation status, not an exception."""
