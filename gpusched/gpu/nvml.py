@@ -96,6 +96,17 @@ class NvmlBackend:
         where = f" ({what})" if what else ""
         return cls(f"{fn}{where}: {label}", hint=_HINTS.get(code, ""))
 
+    # Read-only door for tools (tools/hardware_check): only getters pass, so a caller holding this
+    # backend cannot change MIG mode, instances or compute mode through it.
+    _READ_PREFIXES = ("nvmlDeviceGet", "nvmlGpuInstanceGet", "nvmlComputeInstanceGet", "nvmlSystemGet",
+                      "nvmlDeviceIsMigDeviceHandle")
+
+    def query(self, fn: str, *args: Any) -> Any:
+        """Call one NVML *getter* (names starting nvml...Get); anything else is refused before NVML sees it."""
+        if not fn.startswith(self._READ_PREFIXES):
+            raise GpuInvalidArgumentError(f"{fn} is not a read-only NVML call")
+        return self._call(fn, *args)
+
     def _handle(self, gpu_index: int) -> Any:
         return self._call("nvmlDeviceGetHandleByIndex", gpu_index, what=f"GPU {gpu_index}")
 

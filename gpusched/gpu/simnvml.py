@@ -1047,6 +1047,16 @@ class SimNVML:
                     return ci
         raise ValueError(f"no simulated MIG device with UUID {mig_uuid}")
 
+    @property
+    def privileged(self) -> bool:
+        """Whether callers act as root (pynvml has no such attribute; tools read it to mirror a run)."""
+        return self._privileged
+
+    def set_privileged(self, privileged: bool) -> None:
+        """Switch between a root and an unprivileged caller (e.g. after building a layout as root)."""
+        with self._lock:
+            self._privileged = privileged
+
     def set_utilization(self, index: int, gpu: int, memory: int = 0) -> None:
         """Set what nvmlDeviceGetUtilizationRates reports for a GPU (MIG off)."""
         with self._lock:
