@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gpusched.gpu.backend import (
@@ -39,7 +41,12 @@ from gpusched.gpu.profiles import CI_ENUM_BY_SLICES, MODELS, model_from_name, pr
 
 MiB = 1024 * 1024
 NO_ID = 0xFFFFFFFF
-XID_FALLEN_OFF_BUS = 79  # what a lost GPU is reported as (Xid 79: GPU has fallen off the bus)
+XID_FALLEN_OFF_BUS = 79
+# After a GI refused to go (its CI was re-created), further destroys of that GI are refused without
+# touching the driver for this long: each try would destroy and re-create the CI (a new MIG UUID
+# every planning pass) while a holder such as DCGM keeps it.
+GI_REFUSED_HOLDOFF_S = 60.0
+  # what a lost GPU is reported as (Xid 79: GPU has fallen off the bus)
 SIM_HINT = "no NVIDIA driver here; to try gpusched without GPUs run: gpuschedd --sim H100-80GB:2"
 
 # NVML error code -> our error class (codes are pynvml's NVML_ERROR_* values).
@@ -62,9 +69,13 @@ _HINTS: dict[int, str] = {
 class NvmlBackend:
     """GpuBackend over pynvml or simnvml. Safe to call from the loop while `wait_event` blocks."""
 
-    def __init__(self, nvml: Any, *, init: bool = True, proc_root: str = "/proc") -> None:
+    def __init__(
+        self, nvml: Any, *, init: bool = True, proc_root: str = "/proc", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._nvml = nvml
         self._proc_root = proc_root  # where to look for who holds a MIG instance open (tests: a temp dir)
+        self._clock = clock
+        self._gi_refused: dict[tuple[str, int], tuple[float, str]] = {}  # (GPU UUID, GI id) -> (when, why)
         self._lock = threading.Lock()  # guards the event set and pending-loss bookkeeping
         self._event_set: Any = None
         self._registered: set[int] = set()
@@ -365,6 +376,14 @@ class NvmlBackend:
         ci_id = int(self._call("nvmlDeviceGetComputeInstanceId", mig))
         if sum(1 for key in self._mig_devices(parent) if key[0] == gi_id) != 1:
             raise GpuBusyError(f"MIG instance {uuid} shares its GPU instance with other compute instances")
+        gi_key = (str(self._call("nvmlDeviceGetUUID", parent)), gi_id)
+        refused = self._gi_refused.get(gi_key)
+        if refused is not None and self._clock() - refused[0] < GI_REFUSED_HOLDOFF_S:
+            raise GpuBusyError(
+                f"MIG instance {uuid}: its GPU instance {gi_id} refused to be destroyed "
+                f"{self._clock() - refused[0]:.0f} s ago ({refused[1]}); not retried for {GI_REFUSED_HOLDOFF_S:.0f} s",
+                hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry later",
+            )
         gi = self._call("nvmlDeviceGetGpuInstanceById", parent, gi_id)
         ci = self._call("nvmlGpuInstanceGetComputeInstanceById", gi, ci_id)
         ci_profile = int(self._call("nvmlComputeInstanceGetInfo", ci).profileId)
@@ -379,7 +398,10 @@ class NvmlBackend:
         try:
             self._call("nvmlGpuInstanceDestroy", gi, what=uuid)
         except GpuError as err:
-            raise self._restore_ci(uuid, parent, gi, gi_id, ci_profile, err) from err
+            who = self._holders(parent, gi_id, None) if isinstance(err, GpuBusyError) else err.message
+            self._gi_refused[gi_key] = (self._clock(), who)
+            raise self._restore_ci(uuid, parent, gi, gi_id, ci_profile, err, who) from err
+        self._gi_refused.pop(gi_key, None)
 
     def _holders(self, parent: Any, gi_id: int, ci_id: int | None) -> str:
         minor = self._call_opt("nvmlDeviceGetMinorNumber", parent, none_on=(GpuError,))
@@ -387,9 +409,10 @@ class NvmlBackend:
             return describe([])
         return describe(instance_holders(int(minor), gi_id, ci_id, proc_root=self._proc_root))
 
-    def _restore_ci(self, uuid: str, parent: Any, gi: Any, gi_id: int, ci_profile: int, err: GpuError) -> GpuError:
+    def _restore_ci(
+        self, uuid: str, parent: Any, gi: Any, gi_id: int, ci_profile: int, err: GpuError, who: str
+    ) -> GpuError:
         """The GI refused after its CI was destroyed: put a CI back so no half instance is left."""
-        who = self._holders(parent, gi_id, None) if isinstance(err, GpuBusyError) else err.message
         try:
             self._call("nvmlGpuInstanceCreateComputeInstance", gi, ci_profile, what=uuid)
             ci_id = int(self._call("nvmlComputeInstanceGetInfo", self._only_ci(gi, ci_profile)).id)

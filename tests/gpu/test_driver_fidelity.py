@@ -14,7 +14,7 @@ import pytest
 
 from gpusched.gpu.backend import GpuBusyError, GpuInvalidArgumentError, GpuPermissionError, XidEvent
 from gpusched.gpu.holders import instance_holders
-from gpusched.gpu.nvml import NvmlBackend
+from gpusched.gpu.nvml import GI_REFUSED_HOLDOFF_S, NvmlBackend
 from gpusched.gpu.profiles import MODELS
 from gpusched.gpu.simnvml import SimNVML
 
@@ -209,9 +209,9 @@ def test_holders_found_from_proc(tmp_path: Path) -> None:
     assert instance_holders(0, 2, None, proc_root=str(tmp_path / "absent")) == []
 
 
-def _held_instance(tmp_path: Path, level: str) -> tuple[NvmlBackend, SimNVML, Any]:
+def _held_instance(tmp_path: Path, level: str, **kw: Any) -> tuple[NvmlBackend, SimNVML, Any]:
     s = SimNVML.from_spec("H200", seed=11)
-    b = NvmlBackend(s, proc_root=str(tmp_path))
+    b = NvmlBackend(s, proc_root=str(tmp_path), **kw)
     b.set_mig_mode(0, True)
     inst = b.create_instance(0, "3g.71gb", 0)
     minor = 20 + inst.gi_id
@@ -239,14 +239,21 @@ def test_destroy_refused_at_ci_names_holder_and_destroys_nothing(tmp_path: Path)
 
 
 def test_destroy_refused_at_gi_leaves_a_whole_instance(tmp_path: Path) -> None:
-    """Never "CI destroyed, GI left behind": the CI is re-created and the new UUID reported."""
-    b, s, inst = _held_instance(tmp_path, "gi")
+    """Never "CI destroyed, GI left behind": the CI is re-created and the new UUID reported. Retries
+    within the hold-off are refused without touching the driver (no new UUID every planning pass)."""
+    now_s = [1000.0]
+    b, s, inst = _held_instance(tmp_path, "gi", clock=lambda: now_s[0])
     with pytest.raises(GpuBusyError, match=r"nv-hostengine \(pid 812\).*whole again as MIG-") as err:
         b.destroy_instance(inst.uuid)
     (now,) = b.inventory().gpus[0].instances
     assert (now.profile, now.start, now.gi_id, now.sm_count) == (inst.profile, inst.start, inst.gi_id, inst.sm_count)
     assert now.uuid in err.value.message and now.uuid != inst.uuid
+    now_s[0] += GI_REFUSED_HOLDOFF_S - 1
     s.release_instance(now.uuid)
+    with pytest.raises(GpuBusyError, match=r"refused to be destroyed 59 s ago \(held by nv-hostengine"):
+        b.destroy_instance(now.uuid)
+    assert b.inventory().gpus[0].instances == (now,)  # untouched: same UUID
+    now_s[0] += 1
     b.destroy_instance(now.uuid)
     assert b.inventory().gpus[0].instances == ()
     b.close()
