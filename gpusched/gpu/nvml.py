@@ -5,9 +5,10 @@ so the same code runs against the driver and in every test. All NVML errors pass
 which maps them to the GpuError classes of backend.py; values the scheduler relies on are never
 defaulted: a GPU whose facts cannot be read lands in `Inventory.errors` and is not scheduled.
 
-SM count choice: the whole-GPU SM count comes from our model table (profiles.py: A100 108, H100/H200
-132) because NVML has no call for it on a full GPU; for a GPU model we have no table for, we use the
-7g profile's multiprocessorCount when MIG is on, and otherwise report the GPU as unschedulable.
+SM count choice: the whole-GPU SM count comes from our model table (profiles.py: A100 108, H100 PCIe
+114, other Hopper models 132) because NVML has no call for it on a full GPU; for a GPU model we have
+no table for, we use the 7g profile's multiprocessorCount when MIG is on, and otherwise report the
+GPU as unschedulable.
 """
 
 from __future__ import annotations
@@ -41,12 +42,11 @@ from gpusched.gpu.profiles import CI_ENUM_BY_SLICES, MODELS, model_from_name, pr
 
 MiB = 1024 * 1024
 NO_ID = 0xFFFFFFFF
-XID_FALLEN_OFF_BUS = 79
+XID_FALLEN_OFF_BUS = 79  # what a lost GPU is reported as (Xid 79: GPU has fallen off the bus)
 # After a GI refused to go (its CI was re-created), further destroys of that GI are refused without
 # touching the driver for this long: each try would destroy and re-create the CI (a new MIG UUID
 # every planning pass) while a holder such as DCGM keeps it.
 GI_REFUSED_HOLDOFF_S = 60.0
-  # what a lost GPU is reported as (Xid 79: GPU has fallen off the bus)
 SIM_HINT = "no NVIDIA driver here; to try gpusched without GPUs run: gpuschedd --sim H100-80GB:2"
 
 # NVML error code -> our error class (codes are pynvml's NVML_ERROR_* values).
