@@ -200,13 +200,16 @@ _H100_PCIE = tuple(
 MODELS: dict[str, GpuModel] = {
     m.key: m
     for m in (
-        # Whole-GPU memory is what nvidia-smi prints as total; A100 has 108 SMs enabled (98 usable in 7g).
-        GpuModel("A100-40GB", "NVIDIA A100-SXM4-40GB", 40960, 108, "a1040000", _A100_40),
+        # Whole-GPU memory is what nvidia-smi prints as total (each value below is the one in many
+        # published `nvidia-smi` outputs of that name); A100 has 108 SMs enabled (98 usable in 7g).
+        # A100-SXM4-40GB: 40536 MiB (was 40960 here: 424 MiB more than the hardware has).
+        GpuModel("A100-40GB", "NVIDIA A100-SXM4-40GB", 40536, 108, "a1040000", _A100_40),
         GpuModel("A100-80GB", "NVIDIA A100-SXM4-80GB", 81920, 108, "a1080000", _A100_80),
         GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 81559, 132, "e1080000", _H100_80, hopper=True),
         GpuModel("H100-PCIe", "NVIDIA H100 PCIe", 81559, 114, "e1080114", _H100_PCIE, hopper=True),
         # 95830 MiB: the total in many published `nvidia-smi` outputs of an "NVIDIA H100 NVL".
         GpuModel("H100-NVL", "NVIDIA H100 NVL", 95830, 132, "e1094000", _H100_NVL, hopper=True),
+        # 143771 MiB: published `nvidia-smi` outputs of an "NVIDIA H200".
         GpuModel("H200", "NVIDIA H200", 143771, 132, "e2000141", _H200, hopper=True),
         # 97871 MiB: published `nvidia-smi` outputs of an "NVIDIA GH200 480GB" (the 96 GB HBM3 part).
         GpuModel("GH200-96GB", "NVIDIA GH200 480GB", 97871, 132, "e2000096", _GH200_96, hopper=True),

@@ -84,12 +84,12 @@ NAMES: dict[str, set[str]] = {
 
 # Whole-GPU facts: (nvmlDeviceGetName, total MiB as nvidia-smi prints it or None when unpublished).
 DEVICES: dict[str, tuple[str, int | None]] = {
-    "A100-40GB": ("NVIDIA A100-SXM4-40GB", None),
-    "A100-80GB": ("NVIDIA A100-SXM4-80GB", None),
-    "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559),
+    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40536),  # published nvidia-smi outputs
+    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 81920),  # published nvidia-smi outputs
+    "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559),  # published nvidia-smi outputs
     "H100-PCIe": ("NVIDIA H100 PCIe", 81559),  # NVIDIA/DCGM issue #91
     "H100-NVL": ("NVIDIA H100 NVL", 95830),  # published nvidia-smi outputs
-    "H200": ("NVIDIA H200", None),
+    "H200": ("NVIDIA H200", 143771),  # published nvidia-smi outputs
     "GH200-96GB": ("NVIDIA GH200 480GB", 97871),  # published nvidia-smi outputs
     "GH200-144GB": ("NVIDIA GH200 144G HBM3e", None),
 }
