@@ -257,7 +257,8 @@ class NvmlBackend:
         if len(cis) != 1 or len([key for key in uuids if key[0] == gi_id]) != 1:
             raise GpuInvalidArgumentError(
                 f"GPU {index}: GPU instance {gi_id} holds {len(cis)} compute instances; gpusched needs exactly one",
-                hint="gpusched manages one compute instance per GI; remove the others with `nvidia-smi mig -dci`",
+                hint="gpusched manages one compute instance per GI: remove extra ones with `nvidia-smi mig -dci`, "
+                "or a GI without any with `nvidia-smi mig -dgi`",
             )
         ci, ci_prof = cis[0]
         ci_id = int(self._call("nvmlComputeInstanceGetInfo", ci).id)
