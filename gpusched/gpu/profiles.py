@@ -189,9 +189,10 @@ _GH200_96 = (
 # H100 PCIe (80 GB, 114 SMs): mig-parted's config-default.yaml gives it the H100-80GB profiles
 # (device 0x2331 is in the "H100-80GB" filter). 114 SMs: NVIDIA's Hopper architecture whitepaper
 # (SXM5 132 of GH100's 144 SMs, PCIe 114; as reported in public coverage of it), and llm.c
-# `llmc/mfu.h` lists "NVIDIA H100 PCIe" with 456 tensor cores (4 per Hopper SM). NOT PUBLISHED: its per-profile SM counts -> H100-80GB's
-# scaled by 114/132 and rounded down (stricter); memory -> H100-80GB's (same 81559 MiB total, seen in
-# NVIDIA/DCGM issue #91 `nvidia-smi` output of an "NVIDIA H100 PCIe"); engines as H100-80GB.
+# `llmc/mfu.h` lists "NVIDIA H100 PCIe" with 456 tensor cores (4 per Hopper SM). NOT PUBLISHED: its
+# per-profile SM counts -> H100-80GB's scaled by 114/132 and rounded down (stricter); memory ->
+# H100-80GB's (same 81559 MiB total, seen in NVIDIA/DCGM issue #91 `nvidia-smi` output of an "NVIDIA
+# H100 PCIe"); engines as H100-80GB.
 _H100_PCIE = tuple(
     _p(p.name, p.enum, p.profile_id, p.slices, p.memory_slices, p.starts, p.max_instances,
        p.sm_count * 114 // 132, p.memory_mib, (p.copy_engines, p.decoders, p.jpegs, p.ofas))
