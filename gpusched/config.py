@@ -162,7 +162,11 @@ class DaemonConfig(BaseModel):
 
     socket: str = Field(description="Unix socket the daemon listens on")
     state_dir: str = Field(description="SQLite database, job directories and logs")
-    sim: str | None = Field(default=None, description="simulated GPUs, e.g. \"H100-80GB:2\"; unset = real NVML")
+    sim: str | None = Field(
+        default=None,
+        description="simulated GPUs, e.g. \"H100-80GB:2\" or \"GH200-96GB:2,H200:2\"; models: A100-40GB, A100-80GB, "
+        "H100-80GB, H100-PCIe, H100-NVL, H200, GH200-96GB, GH200-144GB; unset = real NVML",
+    )
     admin_group: str | None = Field(default=None, description="members of this group may act on every job")
     allow_root_jobs: bool = Field(default=False, description="run jobs submitted by root (off: refused)")
     kill_grace_s: float = Field(default=10.0, ge=0.0, le=3600.0, description="SIGTERM -> SIGKILL grace period")

@@ -31,6 +31,7 @@ from gpusched.daemon.metrics import MetricsServer
 from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError
+from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched.model import JobState
 from gpusched.protocol import ReloadResult
 
@@ -297,7 +298,9 @@ def sd_notify(message: str) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
-@click.option("--sim", help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2.")
+@click.option("--sim", metavar="MODEL[:COUNT][,...]",
+              help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2. "
+              f"Models: {', '.join(MODEL_KEYS)}.")
 @click.option("--socket", "socket_path", help="Unix socket to listen on.")
 @click.option("--state-dir", help="Directory for the database, job records and logs.")
 @click.option("--log-level", default="info", show_default=True,

@@ -5,9 +5,10 @@ so the same code runs against the driver and in every test. All NVML errors pass
 which maps them to the GpuError classes of backend.py; values the scheduler relies on are never
 defaulted: a GPU whose facts cannot be read lands in `Inventory.errors` and is not scheduled.
 
-SM count choice: the whole-GPU SM count comes from our model table (profiles.py: A100 108, H100/H200
-132) because NVML has no call for it on a full GPU; for a GPU model we have no table for, we use the
-7g profile's multiprocessorCount when MIG is on, and otherwise report the GPU as unschedulable.
+SM count choice: the whole-GPU SM count comes from our model table (profiles.py: A100 108, H100 PCIe
+114, other Hopper models 132) because NVML has no call for it on a full GPU; for a GPU model we have
+no table for, we use the 7g profile's multiprocessorCount when MIG is on, and otherwise report the
+GPU as unschedulable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gpusched.gpu.backend import (
@@ -34,11 +37,16 @@ from gpusched.gpu.backend import (
     MigModeChange,
     XidEvent,
 )
+from gpusched.gpu.holders import describe, instance_holders
 from gpusched.gpu.profiles import CI_ENUM_BY_SLICES, MODELS, model_from_name, profile_by_id, profile_by_name
 
 MiB = 1024 * 1024
 NO_ID = 0xFFFFFFFF
 XID_FALLEN_OFF_BUS = 79  # what a lost GPU is reported as (Xid 79: GPU has fallen off the bus)
+# After a GI refused to go (its CI was re-created), further destroys of that GI are refused without
+# touching the driver for this long: each try would destroy and re-create the CI (a new MIG UUID
+# every planning pass) while a holder such as DCGM keeps it.
+GI_REFUSED_HOLDOFF_S = 60.0
 SIM_HINT = "no NVIDIA driver here; to try gpusched without GPUs run: gpuschedd --sim H100-80GB:2"
 
 # NVML error code -> our error class (codes are pynvml's NVML_ERROR_* values).
@@ -52,7 +60,8 @@ _ERROR_CLASSES: dict[int, type[GpuError]] = {
     4: GpuPermissionError,  # NO_PERMISSION
 }
 _HINTS: dict[int, str] = {
-    4: "MIG changes need root or the mig/config capability",
+    # nvml.h marks MIG writes and the GI/CI enumeration reads "Requires privileged user".
+    4: "MIG changes, and reading the MIG layout, need root (or the mig/config capability)",
     15: "the GPU stopped answering; it needs a reset or a reboot",
 }
 
@@ -60,8 +69,13 @@ _HINTS: dict[int, str] = {
 class NvmlBackend:
     """GpuBackend over pynvml or simnvml. Safe to call from the loop while `wait_event` blocks."""
 
-    def __init__(self, nvml: Any, *, init: bool = True) -> None:
+    def __init__(
+        self, nvml: Any, *, init: bool = True, proc_root: str = "/proc", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._nvml = nvml
+        self._proc_root = proc_root  # where to look for who holds a MIG instance open (tests: a temp dir)
+        self._clock = clock
+        self._gi_refused: dict[tuple[str, int], tuple[float, str]] = {}  # (GPU UUID, GI id) -> (when, why)
         self._lock = threading.Lock()  # guards the event set and pending-loss bookkeeping
         self._event_set: Any = None
         self._registered: set[int] = set()
@@ -92,6 +106,17 @@ class NvmlBackend:
         label = type(err).__name__.removeprefix("NVMLError_") or "NVMLError"
         where = f" ({what})" if what else ""
         return cls(f"{fn}{where}: {label}", hint=_HINTS.get(code, ""))
+
+    # Read-only door for tools (tools/hardware_check): only getters pass, so a caller holding this
+    # backend cannot change MIG mode, instances or compute mode through it.
+    _READ_PREFIXES = ("nvmlDeviceGet", "nvmlGpuInstanceGet", "nvmlComputeInstanceGet", "nvmlSystemGet",
+                      "nvmlDeviceIsMigDeviceHandle")
+
+    def query(self, fn: str, *args: Any) -> Any:
+        """Call one NVML *getter* (names starting nvml...Get); anything else is refused before NVML sees it."""
+        if not fn.startswith(self._READ_PREFIXES):
+            raise GpuInvalidArgumentError(f"{fn} is not a read-only NVML call")
+        return self._call(fn, *args)
 
     def _handle(self, gpu_index: int) -> Any:
         return self._call("nvmlDeviceGetHandleByIndex", gpu_index, what=f"GPU {gpu_index}")
@@ -200,22 +225,43 @@ class NvmlBackend:
                 instances.append(self._read_instance(index, arr[k], info, model, uuids))
         return tuple(sorted(instances, key=lambda inst: inst.start))
 
+    def _gi_compute_instances(self, gi: Any) -> list[tuple[Any, Any]]:
+        """Every CI of a GI with its CI profile info, over all CI profiles the GI offers.
+
+        Other tools may create CIs of any profile (e.g. 1_SLICE_REV1 on a 1g.20gb GI, which Hopper
+        accepts), so we do not assume the one we would have created.
+        """
+        nvml = self._nvml
+        out: list[tuple[Any, Any]] = []
+        for enum in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+            prof = self._call_opt(
+                "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, enum,
+                nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                none_on=(GpuNotSupportedError, GpuInvalidArgumentError),
+            )
+            if prof is None:
+                continue
+            arr = (nvml.c_nvmlComputeInstance_t * max(1, int(prof.instanceCount)))()
+            count = ctypes.c_uint(0)
+            self._call("nvmlGpuInstanceGetComputeInstances", gi, prof.id, arr, ctypes.byref(count))
+            out.extend((arr[k], prof) for k in range(count.value))
+        return out
+
     def _read_instance(
         self, index: int, gi: Any, info: Any, model: str | None, uuids: dict[tuple[int, int], str]
     ) -> Instance:
-        nvml = self._nvml
+        """One GI with its single CI, whatever that CI's profile (its SMs are what jobs get)."""
         gi_info = self._call("nvmlGpuInstanceGetInfo", gi)
         gi_id = int(gi_info.id)
-        full = self._full_ci_profile(gi, int(info.sliceCount))
-        cis = (nvml.c_nvmlComputeInstance_t * 8)()
-        count = ctypes.c_uint(0)
-        self._call("nvmlGpuInstanceGetComputeInstances", gi, full.id, cis, ctypes.byref(count))
-        if count.value != 1 or len([key for key in uuids if key[0] == gi_id]) != 1:
+        cis = self._gi_compute_instances(gi)
+        if len(cis) != 1 or len([key for key in uuids if key[0] == gi_id]) != 1:
             raise GpuInvalidArgumentError(
-                f"GPU {index}: GPU instance {gi_id} does not hold exactly one full-size compute instance",
-                hint="gpusched manages one full-size CI per GI; remove it with `nvidia-smi mig -dci/-dgi`",
+                f"GPU {index}: GPU instance {gi_id} holds {len(cis)} compute instances; gpusched needs exactly one",
+                hint="gpusched manages one compute instance per GI: remove extra ones with `nvidia-smi mig -dci`, "
+                "or a GI without any with `nvidia-smi mig -dgi`",
             )
-        ci_id = int(self._call("nvmlComputeInstanceGetInfo", cis[0]).id)
+        ci, ci_prof = cis[0]
+        ci_id = int(self._call("nvmlComputeInstanceGetInfo", ci).id)
         uuid = uuids.get((gi_id, ci_id))
         if uuid is None:
             raise GpuNotFoundError(f"GPU {index}: no MIG device for GI {gi_id} CI {ci_id}")
@@ -231,7 +277,7 @@ class NvmlBackend:
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
             memory_mib=int(info.memorySizeMB),
-            sm_count=int(full.multiprocessorCount),
+            sm_count=int(ci_prof.multiprocessorCount),
         )
 
     def _full_ci_profile(self, gi: Any, slices: int) -> Any:
@@ -313,7 +359,12 @@ class NvmlBackend:
         return valid[start]
 
     def destroy_instance(self, uuid: str) -> None:
-        """Destroy a MIG instance (CI, then GI). Busy -> GpuBusyError naming pids; nothing destroyed."""
+        """Destroy a MIG instance (CI, then GI), all or nothing.
+
+        Busy -> GpuBusyError naming the pids, or, when the driver says "in use" with no compute process
+        (a handle holder such as DCGM), naming who holds it. If the GI refuses after its CI is gone,
+        the CI is created again so the instance stays whole (under a new MIG UUID, given in the error).
+        """
         mig = self._call("nvmlDeviceGetHandleByUUID", uuid, what=uuid)
         if not int(self._call("nvmlDeviceIsMigDeviceHandle", mig).value):
             raise GpuInvalidArgumentError(f"{uuid} is a whole GPU, not a MIG instance")
@@ -322,23 +373,70 @@ class NvmlBackend:
             pids = ", ".join(str(p.pid) for p in procs)
             raise GpuBusyError(f"MIG instance {uuid} has running processes: {pids}")
         parent = self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", mig)
-        gi = self._call("nvmlDeviceGetGpuInstanceById", parent, int(self._call("nvmlDeviceGetGpuInstanceId", mig)))
-        ci = self._call(
-            "nvmlGpuInstanceGetComputeInstanceById", gi, int(self._call("nvmlDeviceGetComputeInstanceId", mig))
-        )
-        slices = int(self._call("nvmlComputeInstanceGetInfo", ci).placement.size)
-        gi_slices = self._call(
-            "nvmlDeviceGetGpuInstanceProfileInfoById", parent, int(self._call("nvmlGpuInstanceGetInfo", gi).profileId)
-        ).sliceCount
-        if slices != int(gi_slices):
+        gi_id = int(self._call("nvmlDeviceGetGpuInstanceId", mig))
+        ci_id = int(self._call("nvmlDeviceGetComputeInstanceId", mig))
+        if sum(1 for key in self._mig_devices(parent) if key[0] == gi_id) != 1:
             raise GpuBusyError(f"MIG instance {uuid} shares its GPU instance with other compute instances")
-        self._call("nvmlComputeInstanceDestroy", ci, what=uuid)
+        gi_key = (str(self._call("nvmlDeviceGetUUID", parent)), gi_id)
+        refused = self._gi_refused.get(gi_key)
+        if refused is not None and self._clock() - refused[0] < GI_REFUSED_HOLDOFF_S:
+            raise GpuBusyError(
+                f"MIG instance {uuid}: its GPU instance {gi_id} refused to be destroyed "
+                f"{self._clock() - refused[0]:.0f} s ago ({refused[1]}); not retried for {GI_REFUSED_HOLDOFF_S:.0f} s",
+                hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry later",
+            )
+        gi = self._call("nvmlDeviceGetGpuInstanceById", parent, gi_id)
+        ci = self._call("nvmlGpuInstanceGetComputeInstanceById", gi, ci_id)
+        ci_profile = int(self._call("nvmlComputeInstanceGetInfo", ci).profileId)
+        try:
+            self._call("nvmlComputeInstanceDestroy", ci, what=uuid)
+        except GpuBusyError:
+            raise GpuBusyError(
+                f"MIG instance {uuid}: the driver refused to destroy its compute instance (in use); "
+                f"{self._holders(parent, gi_id, ci_id)}; nothing was destroyed",
+                hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry",
+            ) from None
         try:
             self._call("nvmlGpuInstanceDestroy", gi, what=uuid)
         except GpuError as err:
-            left = "the compute instance was destroyed, the GPU instance remains"
-            err.hint = f"{err.hint}; {left}" if err.hint else left
-            raise
+            who = self._holders(parent, gi_id, None) if isinstance(err, GpuBusyError) else err.message
+            self._gi_refused[gi_key] = (self._clock(), who)
+            raise self._restore_ci(uuid, parent, gi, gi_id, ci_profile, err, who) from err
+        self._gi_refused.pop(gi_key, None)
+
+    def _holders(self, parent: Any, gi_id: int, ci_id: int | None) -> str:
+        minor = self._call_opt("nvmlDeviceGetMinorNumber", parent, none_on=(GpuError,))
+        if minor is None:
+            return describe([])
+        return describe(instance_holders(int(minor), gi_id, ci_id, proc_root=self._proc_root))
+
+    def _restore_ci(
+        self, uuid: str, parent: Any, gi: Any, gi_id: int, ci_profile: int, err: GpuError, who: str
+    ) -> GpuError:
+        """The GI refused after its CI was destroyed: put a CI back so no half instance is left."""
+        try:
+            self._call("nvmlGpuInstanceCreateComputeInstance", gi, ci_profile, what=uuid)
+            ci_id = int(self._call("nvmlComputeInstanceGetInfo", self._only_ci(gi, ci_profile)).id)
+            new_uuid = self._mig_devices(parent).get((gi_id, ci_id), "?")
+        except GpuError as again:
+            return GpuError(
+                f"MIG instance {uuid}: its GPU instance {gi_id} refused to go ({who}) after the compute "
+                f"instance was destroyed, and re-creating the compute instance failed: {again.message}",
+                hint="the GPU instance is left without a compute instance; remove it with `nvidia-smi mig -dgi`",
+            )
+        return type(err)(
+            f"MIG instance {uuid}: its GPU instance {gi_id} refused to be destroyed ({who}); the compute "
+            f"instance was re-created, so the instance is whole again as {new_uuid}",
+            hint="stop or restart the holder (e.g. `systemctl restart nvidia-dcgm`) and retry",
+        )
+
+    def _only_ci(self, gi: Any, ci_profile: int) -> Any:
+        arr = (self._nvml.c_nvmlComputeInstance_t * 8)()
+        count = ctypes.c_uint(0)
+        self._call("nvmlGpuInstanceGetComputeInstances", gi, ci_profile, arr, ctypes.byref(count))
+        if count.value != 1:
+            raise GpuNotFoundError(f"expected one compute instance of profile {ci_profile}, found {count.value}")
+        return arr[0]
 
     def set_mig_mode(self, gpu_index: int, enabled: bool) -> MigModeChange:
         """Ask for a MIG mode. The driver answers with an activation status, not an exception."""

@@ -2,7 +2,8 @@
 
 `SimNVML` exposes pynvml's function names, signatures, ctypes structs, constants and exception
 classes, and keeps real state (GPUs, MIG GPU/compute instances, processes, event sets), enforcing the
-driver's rules from reference/nvml-mig-mps.md. `gpu/nvml.py` therefore runs the very same code path
+driver's rules (nvml.h doc comments, pynvml, published nvidia-smi transcripts; see docs/gpu.md and
+docs/hardware-notes.md). `gpu/nvml.py` therefore runs the very same code path
 against this object as against the real driver. Handles are genuine ctypes pointers (the types pynvml
 returns), so callers cannot tell them apart; destroyed objects leave stale handles that raise.
 
@@ -60,6 +61,10 @@ _DEFAULT_ORDER: dict[int, tuple[int, ...]] = {
 # Compute-instance splits per GI size (go-nvml's A100 mock): CI slices allowed inside a GI of N slices.
 _CI_SPLITS: dict[int, tuple[int, ...]] = {1: (1,), 2: (1, 2), 3: (1, 2, 3), 4: (1, 2, 4), 7: (1, 2, 3, 4, 7)}
 _SLICES_BY_CI_ENUM = {v: k for k, v in CI_ENUM_BY_SLICES.items()}
+# NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 (pynvml): the full-size CI that Hopper-class GPUs also accept
+# on 1-slice REV2 GIs (1g.20gb, 1g.35gb ...; NVIDIA/go-nvlib commit e85aa94). See GpuModel.hopper.
+_CI_1_SLICE_REV1 = int(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1)
+_GI_1_SLICE_REV2 = int(pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2)
 _MAX_GI_ID = 14
 _MAX_CI_ID = 7
 _MAX_MIG_DEVICES = COMPUTE_SLICES
@@ -131,6 +136,7 @@ class _Ci:
     handle: Any = None
     dev_handle: Any = None
     alive: bool = True
+    holder: str | None = None  # a non-compute client (e.g. DCGM) holding a handle: destroy is IN_USE
 
 
 @dataclass(eq=False)
@@ -151,6 +157,7 @@ class _Gi:
     cis: dict[int, _Ci] = field(default_factory=dict)
     handle: Any = None
     alive: bool = True
+    holder: str | None = None
 
 
 @dataclass(eq=False)
@@ -183,8 +190,8 @@ class SimNVML:
     """Simulated NVML with pynvml's API. Build with `SimNVML.from_spec("H100-80GB:2")`.
 
     Test hooks (not part of pynvml): add_process, remove_process, inject_xid, lose_gpu, reset_gpu,
-    fail_next, set_utilization. Every call holds one lock, so a thread blocked in nvmlEventSetWait
-    never stops the rest of the API.
+    fail_next, set_utilization, hold_instance, release_instance. Every call holds one lock, so a
+    thread blocked in nvmlEventSetWait never stops the rest of the API.
     """
 
     backend_name = "simnvml"
@@ -308,6 +315,9 @@ class SimNVML:
         return dev
 
     def _need_privilege(self) -> None:
+        """Writes, and the reads nvml.h marks "Requires privileged user": GetGpuInstancePossiblePlacements_v2,
+        GetGpuInstanceRemainingCapacity, GetGpuInstances, GetGpuInstanceById, GetComputeInstances,
+        GetComputeInstanceById, GetComputeInstanceRemainingCapacity (nvml.h as vendored in NVIDIA/go-nvml)."""
         if not self._privileged:
             _fail(pynvml.NVML_ERROR_NO_PERMISSION)
 
@@ -364,6 +374,15 @@ class SimNVML:
 
     @_api
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        """The GPU index; on a MIG handle the MIG device index, the one GetMigDeviceHandleByIndex takes
+        (nvml.h: "When used with MIG device handles this API returns indices that can be passed to
+        nvmlDeviceGetMigDeviceHandleByIndex")."""
+        dev = self._device(handle)
+        return dev.index if isinstance(dev, _Gpu) else dev.ci.mig_index
+
+    @_api
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        """The /dev/nvidia<N> minor; the simulator numbers them like the indices."""
         return self._gpu(handle).index
 
     @_api
@@ -532,6 +551,7 @@ class SimNVML:
     @_api
     def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
         gpu = self._mig_gpu(device)
+        self._need_privilege()
         p = self._profile_by_id(gpu, profileId, pynvml.NVML_ERROR_INVALID_ARGUMENT)
         left = p.max_instances - sum(1 for gi in gpu.gis.values() if gi.profile is p)
         used = self._used_slices(gpu)
@@ -551,6 +571,7 @@ class SimNVML:
         dev = self._device(device)
         if isinstance(dev, _MigDevice):
             _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._need_privilege()
         p = self._profile_by_id(dev, profileId, pynvml.NVML_ERROR_INVALID_ARGUMENT)
         count = _deref(countRef)
         if count is None:
@@ -611,7 +632,7 @@ class SimNVML:
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         gi: _Gi = self._resolve(gpuInstance, _Gi)
         self._need_privilege()
-        if gi.cis or any(p.ci is not None and p.ci.gi is gi for p in self._processes.values()):
+        if gi.holder is not None or gi.cis or any(p.ci is not None and p.ci.gi is gi for p in self._processes.values()):
             _fail(pynvml.NVML_ERROR_IN_USE)
         gi.alive = False
         del gi.gpu.gis[gi.id]
@@ -620,6 +641,7 @@ class SimNVML:
     @_api
     def nvmlDeviceGetGpuInstances(self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any) -> int:
         gpu = self._mig_gpu(device)
+        self._need_privilege()
         p = self._profile_by_id(gpu, profileId, pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gis = sorted((gi for gi in gpu.gis.values() if gi.profile is p), key=lambda g: g.start)
         return self._fill_handles([gi.handle for gi in gis], gpuInstancesRef, countRef)
@@ -640,6 +662,7 @@ class SimNVML:
     @_api
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         gpu = self._mig_gpu(device)
+        self._need_privilege()
         gi = gpu.gis.get(gpuInstanceId)
         if gi is None:
             _fail(pynvml.NVML_ERROR_NOT_FOUND)
@@ -660,6 +683,10 @@ class SimNVML:
     def _ci_slices(self, gi: _Gi, profile: int) -> int:
         if not 0 <= profile < pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
             _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if profile == _CI_1_SLICE_REV1:
+            if gi.profile.enum == _GI_1_SLICE_REV2 and gi.gpu.model.hopper:
+                return 1
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         slices = _SLICES_BY_CI_ENUM.get(profile)
         if slices is None or slices not in _CI_SPLITS.get(gi.profile.slices, ()):
             _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -705,6 +732,7 @@ class SimNVML:
     @_api
     def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(self, gpuInstance: Any, profileId: int) -> int:
         gi: _Gi = self._resolve(gpuInstance, _Gi)
+        self._need_privilege()
         return len(self._ci_free_starts(gi, self._ci_slices(gi, profileId)))
 
     @_api
@@ -735,7 +763,7 @@ class SimNVML:
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
         ci: _Ci = self._resolve(computeInstance, _Ci)
         self._need_privilege()
-        if any(p.ci is ci for p in self._processes.values()):
+        if ci.holder is not None or any(p.ci is ci for p in self._processes.values()):
             _fail(pynvml.NVML_ERROR_IN_USE)
         ci.alive = False
         del ci.gi.cis[ci.id]
@@ -746,6 +774,7 @@ class SimNVML:
         self, gpuInstance: Any, profileId: int, computeInstancesRef: Any, countRef: Any
     ) -> int:
         gi: _Gi = self._resolve(gpuInstance, _Gi)
+        self._need_privilege()
         self._ci_slices(gi, profileId)
         cis = sorted((ci for ci in gi.cis.values() if ci.enum == profileId), key=lambda c: c.start)
         return self._fill_handles([ci.handle for ci in cis], computeInstancesRef, countRef)
@@ -753,6 +782,7 @@ class SimNVML:
     @_api
     def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: Any, computeInstanceId: int) -> Any:
         gi: _Gi = self._resolve(gpuInstance, _Gi)
+        self._need_privilege()
         ci = gi.cis.get(computeInstanceId)
         if ci is None:
             _fail(pynvml.NVML_ERROR_NOT_FOUND)
@@ -784,8 +814,8 @@ class SimNVML:
 
     @_api
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
-        self._gpu(device)
-        return _MAX_MIG_DEVICES
+        """nvml.h: "Returns zero if MIG is not supported or enabled"."""
+        return _MAX_MIG_DEVICES if self._gpu(device).mig_current else 0
 
     @_api
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
@@ -946,9 +976,16 @@ class SimNVML:
             self._processes.pop(pid, None)
 
     def inject_xid(self, gpu_index: int, xid: int, gi: int | None = None, ci: int | None = None) -> None:
-        """Deliver an Xid critical error once to every event set registered for it on that GPU."""
+        """Deliver an Xid critical error once to every event set registered for it on that GPU.
+
+        Unprivileged callers never hear instance-scoped events (nvml.h, nvmlEventSetWait: "In absence of
+        required privileges, only the events which affect all the instances (i.e. whole device) are
+        reported"), so those are dropped when the simulator runs with privileged=False.
+        """
         with self._lock:
             gpu = self._gpus[gpu_index]
+            if not self._privileged and (gi is not None or ci is not None):
+                return
             for es in self._event_sets:
                 if es.masks.get(gpu_index, 0) & pynvml.nvmlEventTypeXidCriticalError:
                     es.queue.append(
@@ -982,6 +1019,43 @@ class SimNVML:
             raise ValueError(f"simnvml has no function {function}")
         with self._lock:  # aliases (nvmlEventSetWait -> _v2) share one queue under the real name
             self._faults.setdefault(target.__name__, deque()).extend([code] * times)
+
+    def hold_instance(self, mig_uuid: str, holder: str = "nv-hostengine", *, level: str = "ci") -> None:
+        """A non-compute client (DCGM's nv-hostengine is the known one) keeps a handle open on a MIG
+        instance: destroying its CI (level="ci") or its GI (level="gi") fails IN_USE with no process
+        listed (NVIDIA/DCGM issues #95 on H100, #276 on H200: both CIs and GIs)."""
+        if level not in ("ci", "gi"):
+            raise ValueError("level must be 'ci' or 'gi'")
+        with self._lock:
+            ci = self._ci_by_uuid(mig_uuid)
+            if level == "ci":
+                ci.holder = holder
+            else:
+                ci.gi.holder = holder
+
+    def release_instance(self, mig_uuid: str) -> None:
+        """The holder let go (e.g. DCGM restarted): destroy works again."""
+        with self._lock:
+            ci = self._ci_by_uuid(mig_uuid)
+            ci.holder = None
+            ci.gi.holder = None
+
+    def _ci_by_uuid(self, mig_uuid: str) -> _Ci:
+        for gpu in self._gpus:
+            for ci in self._live_cis(gpu):
+                if ci.uuid == mig_uuid:
+                    return ci
+        raise ValueError(f"no simulated MIG device with UUID {mig_uuid}")
+
+    @property
+    def privileged(self) -> bool:
+        """Whether callers act as root (pynvml has no such attribute; tools read it to mirror a run)."""
+        return self._privileged
+
+    def set_privileged(self, privileged: bool) -> None:
+        """Switch between a root and an unprivileged caller (e.g. after building a layout as root)."""
+        with self._lock:
+            self._privileged = privileged
 
     def set_utilization(self, index: int, gpu: int, memory: int = 0) -> None:
         """Set what nvmlDeviceGetUtilizationRates reports for a GPU (MIG off)."""
