@@ -77,6 +77,18 @@ def available(binary: str = DEFAULT_BINARY) -> bool:
     return shutil.which(binary) is not None
 
 
+def checkpoint_binary(configured: str | None, *, sim: bool) -> str:
+    """The program to run: the configured one, else the simulated one on simulated GPUs
+    (gpu/simcheckpoint.py, as launch.py picks simmps.py), else `cuda-checkpoint` from PATH."""
+    if configured is not None:
+        return configured
+    if sim:
+        from gpusched.gpu import simcheckpoint
+
+        return simcheckpoint.__file__
+    return DEFAULT_BINARY
+
+
 def command_prefix(binary: str) -> list[str]:
     """argv that runs `binary`. A `.py` file (gpu/simcheckpoint.py) runs under this interpreter in
     isolated mode, so a lost exec bit or a different `python3` in PATH cannot break it."""

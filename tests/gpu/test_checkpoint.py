@@ -21,6 +21,7 @@ from gpusched.gpu.checkpoint import (
     CheckpointError,
     CudaCheckpoint,
     available,
+    checkpoint_binary,
     unsupported_reason,
 )
 from gpusched.model import AllocatedDevice, Allocation
@@ -235,22 +236,17 @@ def test_cancelled_call_kills_the_program(tmp_path: Path) -> None:
 def test_a_hanging_call_does_not_block_the_loop(tmp_path: Path, cc: CudaCheckpoint,
                                                 child: subprocess.Popen[bytes]) -> None:
     hang = script(tmp_path, "hang", "exec sleep 600\n")
-    finished: list[str] = []
 
-    async def slow() -> None:
-        with pytest.raises(CheckpointError):
-            await CudaCheckpoint(hang, timeout_s=5).state(child.pid)
-        finished.append("slow")
+    async def go() -> bool:
+        slow = asyncio.create_task(CudaCheckpoint(hang, timeout_s=60).state(child.pid))
+        assert await cc.state(child.pid) == "running"  # answered while the hanging call is in flight
+        still_waiting = not slow.done()
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        return still_waiting
 
-    async def fast() -> None:
-        assert await cc.state(child.pid) == "running"
-        finished.append("fast")
-
-    async def go() -> None:
-        await asyncio.gather(slow(), fast())
-
-    asyncio.run(go())
-    assert finished == ["fast", "slow"]
+    assert asyncio.run(asyncio.wait_for(go(), 30))
 
 
 def test_unexpected_output_is_an_error(tmp_path: Path) -> None:
@@ -282,6 +278,12 @@ def test_missing_program(tmp_path: Path) -> None:
     assert "cuda-checkpoint" in info.value.hint
     with pytest.raises(ValueError, match="timeout_s"):
         CudaCheckpoint(missing, timeout_s=0)
+
+
+def test_checkpoint_binary() -> None:
+    assert checkpoint_binary("/opt/nvidia/cuda-checkpoint", sim=True) == "/opt/nvidia/cuda-checkpoint"
+    assert checkpoint_binary(None, sim=False) == "cuda-checkpoint"
+    assert os.path.samefile(checkpoint_binary(None, sim=True), FAKE)
 
 
 def test_available(tmp_path: Path) -> None:
