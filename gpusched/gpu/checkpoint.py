@@ -212,29 +212,31 @@ class CudaCheckpoint:
 
     async def checkpoint(self, pid: int) -> None:
         """running -> locked -> checkpointed: the process's GPU memory moves to host memory and the GPU
-        is released. Already checkpointed: nothing to do. A failed checkpoint step is rolled back by
-        unlocking when the process is still only locked, so the job keeps running; the error says
-        which state the process is in (`CheckpointError.state`)."""
+        is released. Already checkpointed: nothing to do. A failed step is rolled back by unlocking
+        when the process is left locked, so the job keeps running; the error says which state the
+        process is in (`CheckpointError.state`)."""
         current = await self.state(pid)
         if current == "checkpointed":
             return
         if current == "failed":
             raise CheckpointError(pid, "CUDA state is failed; it cannot be checkpointed", state=current)
-        if current == "running":
-            try:
-                await self.action(pid, "lock")
-            except CheckpointError as err:
-                err.state = await self._state_or_none(pid)
-                raise
         try:
+            if current == "running":
+                await self.action(pid, "lock")
             await self.action(pid, "checkpoint")
         except CheckpointError as err:
-            err.state = await self._state_or_none(pid)
-            if err.state == "locked":
-                with contextlib.suppress(CheckpointError):
-                    await self.action(pid, "unlock")
-                    err.state = "running"
+            await self._roll_back(pid, err)
             raise
+
+    async def _roll_back(self, pid: int, err: CheckpointError) -> None:
+        """After a failed lock or checkpoint step: read the state back and, when the process is left
+        locked (a lock that failed late, or one we killed at the deadline; criu does the same), unlock
+        it so the job runs on. `err.state` ends up as the state the process is really in."""
+        err.state = await self._state_or_none(pid)
+        if err.state == "locked":
+            with contextlib.suppress(CheckpointError):
+                await self.action(pid, "unlock")
+                err.state = "running"
 
     async def restore(self, pid: int) -> None:
         """checkpointed -> locked -> running. Already running: nothing to do. A restore that fails

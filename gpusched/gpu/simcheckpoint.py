@@ -286,6 +286,8 @@ def run(argv: list[str]) -> int:
         device_map = parse_device_map(opts["device-map"]) if "device-map" in opts else None
         root = state_dir()
         os.makedirs(root, mode=0o700, exist_ok=True)
+        if os.stat(root).st_uid != os.getuid():  # a predictable /tmp name: never trust another user's
+            raise Usage(f"{root} is owned by uid {os.stat(root).st_uid}, not by us; set {DIR_ENV}")
         with open(os.path.join(root, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             return operate(Store(root), op, action, pid, device_map)

@@ -191,6 +191,20 @@ def test_lock_timeout_leaves_the_process_running(cc: CudaCheckpoint, sim_dir: Pa
     assert proc_state(child.pid) == "S"
 
 
+def test_lock_killed_at_the_deadline_is_rolled_back(tmp_path: Path, sim_dir: Path,
+                                                   child: subprocess.Popen[bytes]) -> None:
+    """The lock took effect but the program hung (criu #26): the wrapper kills it, finds the process
+    locked and unlocks it, so the job runs on."""
+    fake = f"{sys.executable} -I {FAKE}"
+    hangs_after_lock = script(tmp_path, "cc", f'{fake} "$@" || exit $?\n[ "$2" = lock ] && exec sleep 600\nexit 0\n')
+    cc = CudaCheckpoint(hangs_after_lock, timeout_s=3, env={**os.environ, simcheckpoint.DIR_ENV: str(sim_dir)})
+    with pytest.raises(CheckpointError, match="did not finish") as info:
+        asyncio.run(cc.checkpoint(child.pid))
+    assert info.value.state == "running" and info.value.exit_code is None
+    assert asyncio.run(cc.state(child.pid)) == "running"
+    assert wait_for(lambda: proc_state(child.pid) == "S")
+
+
 def test_restore_out_of_memory_wedges_the_process(cc: CudaCheckpoint, sim_dir: Path,
                                                   child: subprocess.Popen[bytes]) -> None:
     """NVIDIA/cuda-checkpoint#44: after a restore fails out of memory, every later restore fails (304)."""
@@ -380,6 +394,14 @@ def test_fake_ignores_a_stale_record_of_a_reused_pid(sim_dir: Path, child: subpr
     record.write_text('{"state": "checkpointed", "start_time": "1"}')
     assert fake_cli(["--get-state", "--pid", str(child.pid)], sim_dir).stdout == "running\n"
     assert not record.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by another uid")
+def test_fake_refuses_a_state_dir_owned_by_someone_else(sim_dir: Path, child: subprocess.Popen[bytes]) -> None:
+    sim_dir.mkdir()
+    os.chown(sim_dir, 54321, 54321)
+    result = fake_cli(["--get-state", "--pid", str(child.pid)], sim_dir)
+    assert result.returncode == 1 and "owned by uid 54321" in result.stderr
 
 
 def test_inject_rejects_unknown_errors(sim_dir: Path) -> None:
