@@ -217,6 +217,7 @@ class Scheduler:
         self._to_fail: list[FailJob] = []
         self._fail_cache: dict[object, str | None] = {}
         self._shape: object = None
+        self._shape_seen: tuple[object, ...] = (None, None, None)
         self._gpus: tuple[Gpu, ...] = ()
         self._share_modes: Mapping[str, str] = {}
         self._dynamic: frozenset[int] = frozenset()
@@ -234,6 +235,7 @@ class Scheduler:
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
+        self._reserve_memo: tuple[object, _Reservation] | None = None
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
@@ -372,6 +374,7 @@ class Scheduler:
                     if memo_fails and memo_key == (cluster.fingerprint(), reserved, doomed, job.id):
                         fails |= memo_fails  # nothing was freed since they failed: they fail again
                         remembered = True
+                        self._park_remembered(head, fails, user_memo, mig_demand)
                     if not self.config.backfill:
                         break
                     # The head's own user is not parked: their other jobs may backfill too (a MIG job
@@ -442,6 +445,10 @@ class Scheduler:
     # ---- state sync ----------------------------------------------------------------------
     def _observe_shape(self, snapshot: Snapshot) -> None:
         """Re-check satisfiability of everything pending when the node's shape changes."""
+        seen = (snapshot.gpus, snapshot.share_modes, snapshot.dynamic)
+        if self._shape is not None and all(a is b for a, b in zip(seen, self._shape_seen, strict=True)):
+            return  # the very same objects as last pass (the engine reuses them until something changes)
+        self._shape_seen = seen
         shape = (tuple((g.index, g.model, g.mig_enabled, g.memory_total_mib,
                         tuple(sorted((i.profile, i.memory_mib) for i in g.instances))) for g in snapshot.gpus),
                  tuple(sorted(snapshot.share_modes.items())), snapshot.dynamic)
@@ -604,10 +611,25 @@ class Scheduler:
         return f"fair share: {job.user} {elig}, earliest deadline (lag {lag_h:+.2f} GPU-h)"
 
     def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str]) -> _Reservation:
-        """When would the blocked head fit, releasing active jobs in order of their expected end?"""
-        sim = cluster.copy()
+        """When would the blocked head fit, releasing active jobs in order of their expected end?
+
+        The answer depends only on the head, what is held, the reserved devices and the expected
+        ends, so a pass in which none of them changed reuses the last one.
+        """
         ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
-                      for jid, rec in self._active.items() if jid in sim.held)
+                      for jid, rec in self._active.items() if jid in cluster.held)
+        key = (job.id, cluster.fingerprint(), reserved, tuple(ends), now if ends and ends[0][0] <= now else None)
+        cached = self._reserve_memo
+        if cached is not None and cached[0] == key:
+            r = cached[1]
+            return _Reservation(r.job_id, r.at, r.uuids, r.served_by_ends)
+        res = self._reserve_fresh(cluster, job, now, reserved, ends)
+        self._reserve_memo = (key, _Reservation(res.job_id, res.at, res.uuids, res.served_by_ends))
+        return res
+
+    def _reserve_fresh(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
+                       ends: list[tuple[float, int]]) -> _Reservation:
+        sim = cluster.copy()
         need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
         for end, jid in ends:
             sim.release(jid)
@@ -688,6 +710,21 @@ class Scheduler:
         out: list[Action] = [DestroyInstance(d.uuid, d.reason) for d in mplan.destroys]
         out += [CreateInstance(c.gpu_index, c.profile, c.start, c.reason) for c in mplan.creates]
         return out
+
+    def _park_remembered(self, head: Job, fails: set[object],
+                         user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]],
+                         mig_demand: list[str]) -> None:
+        """Park, in one sweep, every user whose candidates all failed last pass with nothing freed
+        or queued for them since; picking them one by one would rescan the order for each (O(u^2))."""
+        for user in self.queue.users():
+            memo = self._user_memo.get(user)
+            if user == head.user or memo is None or memo[0] != self.queue.version(user) or not memo[1] <= fails:
+                continue
+            user_memo[user] = memo
+            for profile in memo[2]:
+                if len(mig_demand) < self.config.max_mig_demand:
+                    mig_demand.append(profile)
+            self.queue.park(user)
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
         """Devices kept for interactive work this pass (core/interactive.py)."""
