@@ -7,7 +7,7 @@ The questions (issue 11): do the interactive users wait seconds rather than a da
 <= 60 s and >= 20x better than fifo-whole), does the trainer finish about when it would under
 FIFO (makespan within 5%), and is the split fair (Jain >= 0.95)?
 
-    python bench/seed_story.py [--out trace.csv] [--json]
+    python bench/seed_story.py [--out trace.csv] [--json] [--config replay.toml]
 
 writes the trace (CSV, docs/replay.md) and replays it under every policy, printing the table and
 the targets. `write_trace` is what the test suite replays (tests/replay/test_seed_story.py).
@@ -78,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="where to write the trace (default: a temporary file)")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
+    parser.add_argument("--config", help="replay TOML (docs/replay.md), e.g. [replay] checkpoint = false")
     args = parser.parse_args(argv)
     path = args.out or os.path.join(tempfile.mkdtemp(prefix="seed-story-"), "seed_story.csv")
     write_trace(path)
-    report = run_replay(path, gpus=GPUS)
+    report = run_replay(path, gpus=GPUS, config_path=args.config)
     if args.json:
         for s in report.summaries:
             print(json.dumps(s))

@@ -284,17 +284,17 @@ class Cluster:
             devs = self._pick_whole(req.gpus, forbidden)
             if devs is None:
                 return None
-            return Allocation(devices=[_alloc_dev(d) for d in devs], compute_fraction=float(len(devs)), env=env)
+            return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), env)
         if isinstance(req, MigRequest):
             dev = self._pick_mig(req.profile, prec, forbidden)
             if dev is None:
                 return None
-            return Allocation(devices=[_alloc_dev(dev)], compute_fraction=dev.compute_fraction, env=env)
+            return _allocation([_alloc_dev(dev)], dev.compute_fraction, env)
         dev = self._pick_share(req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
         if dev is None:
             return None
-        return Allocation(devices=[_alloc_dev(dev)], compute_fraction=req.fraction * dev.compute_fraction,
-                          share=req.fraction, gpu_mem_mib=req.gpu_mem_mib, env=env)
+        return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, env, share=req.fraction,
+                           gpu_mem_mib=req.gpu_mem_mib)
 
     def _gpu_penalty(self, gpu_index: int, prec: str | None) -> int:
         """Jobs of the other precision class on the same physical GPU."""
@@ -390,7 +390,15 @@ def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: b
 
 
 def _alloc_dev(d: DeviceUse) -> AllocatedDevice:
-    return AllocatedDevice(uuid=d.uuid, gpu_index=d.gpu_index, kind=d.kind, profile=d.profile)
+    # model_construct: these values come from our own device table, and a pass proposes hundreds of
+    # allocations (most never used), so pydantic validation was a tenth of the pass.
+    return AllocatedDevice.model_construct(uuid=d.uuid, gpu_index=d.gpu_index, kind=d.kind, profile=d.profile)
+
+
+def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, str], *,
+                share: float | None = None, gpu_mem_mib: int | None = None) -> Allocation:
+    return Allocation.model_construct(devices=devices, compute_fraction=fraction, share=share,
+                                      gpu_mem_mib=gpu_mem_mib, env=env)
 
 
 def offered_profiles(gpu: Gpu) -> set[str]:

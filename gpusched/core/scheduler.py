@@ -236,6 +236,7 @@ class Scheduler:
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
         self._reserve_memo: tuple[object, _Reservation] | None = None
+        self._sigs: dict[int, tuple[object, ...]] = {}  # pending job -> _signature (passes ask many times)
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
@@ -303,6 +304,7 @@ class Scheduler:
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
         job = self.queue.remove(job_id)
+        self._sigs.pop(job_id, None)
         self._interactive_pending.pop(job_id, None)
         self._pinned.pop(job_id, None)
         if self._head_id == job_id:
@@ -400,7 +402,9 @@ class Scheduler:
                     if k >= self.config.per_user_scan:
                         break
                     scanned += 1
-                    sig = _signature(job)
+                    sig = self._sigs.get(job.id)
+                    if sig is None:
+                        sig = self._sigs[job.id] = _signature(job)
                     tried.add(sig)
                     alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
                     if alloc is None:
@@ -588,6 +592,7 @@ class Scheduler:
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
+        self._sigs.pop(job.id, None)
         self._interactive_pending.pop(job.id, None)
         self._pinned.pop(job.id, None)
         if self._head_id == job.id:
