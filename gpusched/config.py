@@ -124,9 +124,9 @@ class SchedulerSection(BaseModel):
         "--time only once it has waited this long; 0: at once (strict). A positive value keeps GPUs busy when "
         "running jobs have no time limits, at the price of a bounded extra wait for the head",
     )
-    hold_head_after_s: float = Field(
-        default=0.0, ge=0, description="a blocked job that is next by fairness and has waited this long keeps its "
-        "place and its reservation until it starts, so many-GPU jobs are not passed over for ever",
+    hold_head_after_s: float | None = Field(
+        default=None, ge=0, description="a blocked job that is next by fairness and has waited this long keeps its "
+        "place and its reservation until it starts, even if another user becomes more owed; unset: never",
     )
     default_runtime_s: float = Field(
         default=3600.0, gt=0, description="run-time estimate of a job nothing is known about (no --time, no history)"
