@@ -804,7 +804,7 @@ class Scheduler:
             lost = rec.fraction * (now - rec.started)
             if checkpoint and whole and rec.running:
                 cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
-            elif (rec.requeue and now - rec.started >= self.config.preempt_min_run_s
+            elif (rec.requeue and (interactive or now - rec.started >= self.config.preempt_min_run_s)
                   and self._budget.left(rec.user, now) >= lost):
                 cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
         if not cands:
