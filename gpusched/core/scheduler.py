@@ -802,10 +802,14 @@ class Scheduler:
                 continue
             whole = rec.alloc.share is None and all(d.kind == "gpu" for d in rec.alloc.devices)
             lost = rec.fraction * (now - rec.started)
+            # For the head, a victim must have run preempt_min_run_s whatever the mode, or a job
+            # started in a pass is preempted in the same pass and the two swap places for ever.
+            # An interactive job's victims stand on its headroom, where no batch job starts anew.
+            if rec.started >= now or (not interactive and now - rec.started < self.config.preempt_min_run_s):
+                continue
             if checkpoint and whole and rec.running:
                 cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
-            elif (rec.requeue and (interactive or now - rec.started >= self.config.preempt_min_run_s)
-                  and self._budget.left(rec.user, now) >= lost):
+            elif rec.requeue and self._budget.left(rec.user, now) >= lost:
                 cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
         if not cands:
             return []

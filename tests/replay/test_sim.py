@@ -97,3 +97,16 @@ def test_unsatisfiable_jobs_are_counted_as_skipped(write_csv: Callable[[str], st
     report = run_replay(path, gpus="H100-80GB:2")
     for s in report.summaries:
         assert s["jobs"] == 1 and s["skipped"] == 1, s
+
+
+@pytest.mark.parametrize("duration", [1.0, 600.0, 36_000.0])
+def test_weights_hold_in_the_first_starts_at_every_job_length(write_csv: Callable[[str], str],
+                                                             duration: float) -> None:
+    """Issue 11: weights 300:100, both backlogged -> 3:1 (+-10 %) of the first 20 starts, for jobs of
+    1 s, 10 min or 10 h alike (a charge that only grows while jobs run gave 1:1 below an hour)."""
+    rows = [f"0,{duration},heavy,1,300" for _ in range(40)] + [f"0,{duration},light,1,100" for _ in range(40)]
+    path = write_csv("submit_time,duration,user,gpus,weight\n" + "\n".join(rows) + "\n")
+    result = run_replay(path, gpus="H100-80GB:2", policies=["gpusched"]).results[0]
+    first = sorted((j for j in result.jobs if j.started_at is not None), key=lambda j: (j.started_at, j.id))[:20]
+    heavy = sum(1 for j in first if j.user == "heavy")
+    assert 14 <= heavy <= 16, [j.user for j in first]
