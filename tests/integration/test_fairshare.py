@@ -192,3 +192,37 @@ def test_show_gives_the_estimate_and_expected_start(daemon: DaemonHandle) -> Non
         # The waiting job starts when the blocker is expected to end (its default estimate).
         assert shown.estimate.expected_start_at == pytest.approx(running.expected_end_at, abs=1.0)
         c.call(CancelRequest(job_ids=[blocker, waiting]), CancelResult)
+
+
+def _spec_msg(argv: list[str], request: Any, **fields: Any) -> dict[str, Any]:
+    s = JobSpec(argv=argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=request, **fields)
+    return {"op": "submit", "spec": s.model_dump(mode="json")}
+
+
+@needs_root
+def test_interactive_users_get_a_gpu_from_a_backlogged_trainer(daemon_factory: Any) -> None:
+    """Issue 11, the seed's story in the live daemon: a trainer's --requeue jobs hold every GPU; an
+    interactive share preempts one (the headroom), and a second user's interactive share joins it
+    on the same device under its own MPS server, while the trainer's backlog waits."""
+    daemon = daemon_factory(sim="H100-80GB:2", gpus={"0": GpuConfig(share="mps"), "1": GpuConfig(share="mps")})
+    trainer = [r["result"]["job_id"] for r in as_user(20010, daemon.socket, *[
+        _spec_msg(["sleep", "120"], WholeRequest(gpus=1), requeue=True, name="train") for _ in range(3)])]
+    with daemon.client() as c:
+        wait_until(lambda: sum(state_of(c, j) is JobState.RUNNING for j in trainer) == 2, what="trainer on both GPUs")
+        share = ShareRequest(fraction=0.1, gpu_mem_mib=4096)
+        [alice] = [r["result"]["job_id"] for r in as_user(20011, daemon.socket, _spec_msg(
+            ["sh", "-c", "echo $CUDA_MPS_PIPE_DIRECTORY; sleep 60"], share, job_class="interactive"))]
+        wait_until(lambda: state_of(c, alice) is JobState.RUNNING, timeout=30, what="interactive job started")
+        [bob] = [r["result"]["job_id"] for r in as_user(20012, daemon.socket, _spec_msg(
+            ["sh", "-c", "echo $CUDA_MPS_PIPE_DIRECTORY; sleep 60"], share, job_class="interactive"))]
+        wait_until(lambda: state_of(c, bob) is JobState.RUNNING, timeout=30, what="second interactive job started")
+        a = c.call(ShowRequest(job_id=alice), ShowResult).job
+        b = c.call(ShowRequest(job_id=bob), ShowResult).job
+        assert a.allocation is not None and b.allocation is not None
+        assert a.allocation.uuids == b.allocation.uuids  # one device, two users
+        assert a.allocation.env["CUDA_MPS_PIPE_DIRECTORY"] != b.allocation.env["CUDA_MPS_PIPE_DIRECTORY"]
+        history = [tr for j in trainer for tr in c.call(ShowRequest(job_id=j), ShowResult).job.history]
+        preempted = [tr.reason for tr in history if tr.state is JobState.PREEMPTED]
+        assert len(preempted) == 1 and "requeued" in preempted[0] and "interactive" in preempted[0], preempted
+        assert sum(state_of(c, j) is JobState.RUNNING for j in trainer) == 1  # the other GPU is the headroom
+        c.call(CancelRequest(job_ids=[*trainer, alice, bob]), CancelResult)
