@@ -90,10 +90,12 @@ class RuntimeEstimator:
     def __init__(self, config: EstimatorConfig | None = None) -> None:
         self.config = config or EstimatorConfig()
         self._runs: OrderedDict[str, deque[float]] = OrderedDict()
-        # A pass asks for the same jobs' estimates many times between two job ends: answers are
-        # memoised per job and dropped whenever history changes (`_generation`).
-        self._generation = 0
-        self._memo: dict[int, tuple[int, Estimate]] = {}
+        # A pass asks for the same jobs' estimates many times: answers are memoised per job with the
+        # versions of the keys they were read from, so a job's end invalidates only the estimates
+        # that depend on its own keys.
+        self._versions: dict[str, int] = {}
+        self._job_keys: dict[int, tuple[str, ...]] = {}
+        self._memo: dict[int, tuple[tuple[int, ...], Estimate]] = {}
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
@@ -101,34 +103,42 @@ class RuntimeEstimator:
             return
         for key in _keys(job):
             self._remember(key, runtime_s)
-        self._generation += 1
         if len(self._memo) > _MEMO_MAX:
             self._memo.clear()
+            self._job_keys.clear()
 
     def _remember(self, key: str, runtime_s: float) -> None:
+        self._versions[key] = self._versions.get(key, 0) + 1
         runs = self._runs.get(key)
         if runs is None:
             runs = deque(maxlen=self.config.history)
             self._runs[key] = runs
             while len(self._runs) > self.config.max_keys:
-                self._runs.popitem(last=False)
+                dropped, _ = self._runs.popitem(last=False)
+                # Back to "never seen": a memo taken while it was absent is right again (and the
+                # version table stays as bounded as the history).
+                self._versions.pop(dropped, None)
         else:
             self._runs.move_to_end(key)
         runs.append(runtime_s)
 
     def estimate(self, job: Job) -> Estimate:
         """Expected run time of a job that has not started: history, capped by its time limit."""
+        keys = self._job_keys.get(job.id)
+        if keys is None:
+            keys = self._job_keys[job.id] = _keys(job)
+        versions = tuple(self._versions.get(k, 0) for k in keys)
         memo = self._memo.get(job.id)
-        if memo is not None and memo[0] == self._generation:
+        if memo is not None and memo[0] == versions:
             return memo[1]
-        answer = self._estimate(job)
-        self._memo[job.id] = (self._generation, answer)
+        answer = self._estimate(job, keys)
+        self._memo[job.id] = (versions, answer)
         return answer
 
-    def _estimate(self, job: Job) -> Estimate:
+    def _estimate(self, job: Job, keys: tuple[str, ...]) -> Estimate:
         limit = job.spec.time_limit_s
         value, source = self.config.default_runtime_s, "no history yet (the default)"
-        for key, key_source in zip(_keys(job), _SOURCES, strict=True):
+        for key, key_source in zip(keys, _SOURCES, strict=True):
             runs = self._runs.get(key)
             if runs:
                 value, source = sum(runs) / len(runs), key_source
@@ -160,4 +170,3 @@ class RuntimeEstimator:
             for value in runs[-self.config.history:]:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
                     self._remember(key, float(value))
-        self._generation += 1
