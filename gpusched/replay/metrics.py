@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from gpusched.core.accounting import jain_index, waits
-from gpusched.model import Job, JobState, ShareRequest, WholeRequest
+from gpusched.core.queue import request_fraction
+from gpusched.model import Job, JobState
 from gpusched.replay.sim import SimResult
 
 JSON_KEYS: tuple[str, ...] = (
@@ -122,7 +123,7 @@ def fairness(result: SimResult, weights: Mapping[str, float]) -> Fairness:
         for t0, t1, frac in result.segments.get(job.id, ()):
             events.append((t0, 0, job.user, frac))
             events.append((t1, 0, job.user, -frac))
-        want = _request_gpus(job)
+        want = request_fraction(job.spec.request)
         since: float | None = None
         for tr in job.history:
             if tr.state is JobState.PENDING:
@@ -180,15 +181,6 @@ def water_fill(total: float, weights: Mapping[str, float], caps: Mapping[str, fl
             out[v] = left_total * weights[v] / left_w if left_w > 0 else 0.0
         break
     return out
-
-
-def _request_gpus(job: Job) -> float:
-    req = job.spec.request
-    if isinstance(req, WholeRequest):
-        return float(req.gpus)
-    if isinstance(req, ShareRequest):
-        return req.fraction
-    return int(req.profile.split("g", 1)[0]) / 7
 
 
 def summarize(result: SimResult, weights: Mapping[str, float], skipped_by_parser: int) -> Summary:
