@@ -21,18 +21,28 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gpusched.core.actions import (
+    Action,
+    CreateInstance,
+    DestroyInstance,
+    FailJob,
+    PreemptJob,
+    Snapshot,
+    StartJob,
+    busy_uuids,
+)
 from gpusched.core.estimate import Estimate, EstimatorConfig, RuntimeEstimator
 from gpusched.core.fairshare import FairnessConfig, FairShare
+from gpusched.core.fifo import FifoScheduler, schedulable_devices
 from gpusched.core.interactive import InteractiveDemand, choose_headroom
 from gpusched.core.migplan import MigPolicy, plan_dynamic
 from gpusched.core.placement import Cluster
 from gpusched.core.placement import unsatisfiable_reason as _unsatisfiable_reason
-from gpusched.core.preempt import Candidate, LossBudget, PreemptMode, choose_victims
+from gpusched.core.preempt import Candidate, LossBudget, choose_victims
 from gpusched.core.queue import RunQueue, request_fraction
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
     ACTIVE_STATES,
-    AllocatedDevice,
     Allocation,
     Job,
     JobState,
@@ -46,66 +56,6 @@ __all__ = [
     "Action", "CreateInstance", "DestroyInstance", "FailJob", "FifoScheduler", "PreemptJob", "Scheduler",
     "SchedulerConfig", "Snapshot", "StartJob", "busy_uuids", "schedulable_devices", "unsatisfiable_reason",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """What the scheduler may look at. `pending` is in submission order.
-
-    Added in v2 (all optional): `share_modes` device UUID -> exclusive|mps|timeslice (absent means
-    exclusive); `dynamic` GPU indices whose MIG layout the scheduler may change; `mps_owner` device
-    UUID -> uid of the MPS server running there now; `reserved_interactive` device UUIDs that only
-    interactive jobs may be given; `checkpoint` whether preemption may checkpoint whole-GPU jobs.
-    """
-
-    gpus: tuple[Gpu, ...]
-    pending: tuple[Job, ...]
-    active: tuple[Job, ...]  # STARTING / RUNNING / SUSPENDED, each with an allocation
-    unschedulable: frozenset[str] = field(default_factory=frozenset)  # GPU or instance UUIDs
-    share_modes: Mapping[str, str] = field(default_factory=dict)
-    dynamic: frozenset[int] = field(default_factory=frozenset)
-    mps_owner: Mapping[str, int] = field(default_factory=dict)
-    reserved_interactive: frozenset[str] = field(default_factory=frozenset)
-    checkpoint: bool = False  # whole-GPU jobs can be preempted with cuda-checkpoint (the engine can do it)
-    checkpoint_moves: bool = False  # a checkpointed job may resume on another GPU of its model (r580+ device map)
-
-
-@dataclass(frozen=True, slots=True)
-class StartJob:
-    job_id: int
-    allocation: Allocation
-    reason: str
-    expected_s: float | None = None  # the run-time estimate it was scheduled with (None: the policy has none)
-
-
-@dataclass(frozen=True, slots=True)
-class CreateInstance:
-    gpu_index: int
-    profile: str
-    start: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class DestroyInstance:
-    uuid: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptJob:
-    job_id: int
-    reason: str
-    mode: PreemptMode = "requeue"  # checkpoint: the job keeps its work and resumes on the same devices
-
-
-@dataclass(frozen=True, slots=True)
-class FailJob:
-    job_id: int
-    reason: str
-
-
-Action = StartJob | CreateInstance | DestroyInstance | PreemptJob | FailJob
 
 
 def unsatisfiable_reason(
@@ -915,81 +865,3 @@ def _signature(job: Job) -> tuple[object, ...]:
     if isinstance(req, MigRequest):
         return ("m", req.profile, job.spec.job_class)
     return ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.job_class)
-
-
-def _pick_fifo(job: Job, free: list[_Device]) -> list[_Device] | None:
-    request = job.spec.request
-    if isinstance(request, WholeRequest):
-        gpus = [d for d in free if d.kind == "gpu"]
-        return gpus[: request.gpus] if len(gpus) >= request.gpus else None
-    if isinstance(request, MigRequest):
-        for device in free:
-            if device.kind == "mig" and device.profile == request.profile:
-                return [device]
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Device:
-    uuid: str
-    gpu_index: int
-    kind: str  # "gpu" | "mig"
-    profile: str | None
-    compute_fraction: float
-
-
-def schedulable_devices(gpus: Iterable[Gpu], unschedulable: frozenset[str]) -> list[_Device]:
-    """Every device a job could be given: whole GPUs with MIG off, and MIG instances."""
-    devices: list[_Device] = []
-    for gpu in gpus:
-        if gpu.uuid in unschedulable:
-            continue
-        if not gpu.mig_enabled:
-            devices.append(_Device(gpu.uuid, gpu.index, "gpu", None, 1.0))
-            continue
-        for inst in gpu.instances:
-            if inst.uuid in unschedulable:
-                continue
-            fraction = inst.sm_count / gpu.sm_count if gpu.sm_count else 0.0
-            devices.append(_Device(inst.uuid, gpu.index, "mig", inst.profile, fraction))
-    return devices
-
-
-def busy_uuids(active: Iterable[Job]) -> set[str]:
-    """Device UUIDs held by jobs that are starting, running or suspended."""
-    busy: set[str] = set()
-    for job in active:
-        if job.state in ACTIVE_STATES and job.allocation is not None:
-            busy.update(job.allocation.uuids)
-    return busy
-
-
-class FifoScheduler:
-    """v1: first come, first served over whole devices (no shares). Stateless; kept for replay baselines."""
-
-    def plan(self, snapshot: Snapshot, now: float) -> list[Action]:
-        actions: list[Action] = []
-        busy = busy_uuids(snapshot.active)
-        free = [d for d in schedulable_devices(snapshot.gpus, snapshot.unschedulable) if d.uuid not in busy]
-        for job in snapshot.pending:
-            if job.state is not JobState.PENDING:
-                continue
-            reason = unsatisfiable_reason(job.spec.request, snapshot.gpus)
-            if reason is not None:
-                actions.append(FailJob(job.id, f"unsatisfiable: {reason}"))
-                continue
-            chosen = _pick_fifo(job, free)
-            if chosen is None:
-                break  # strict FCFS: nobody overtakes the head of the queue
-            for device in chosen:
-                free.remove(device)
-            actions.append(StartJob(job.id, _fifo_allocation(chosen), "first come, first served"))
-        return actions
-
-
-def _fifo_allocation(devices: list[_Device]) -> Allocation:
-    return Allocation(
-        devices=[AllocatedDevice(uuid=d.uuid, gpu_index=d.gpu_index, kind="gpu" if d.kind == "gpu" else "mig",
-                                 profile=d.profile) for d in devices],
-        compute_fraction=sum(d.compute_fraction for d in devices),
-    )
