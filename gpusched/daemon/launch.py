@@ -11,8 +11,8 @@ import pwd
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon.cgroups import CgroupManager, JobLimits
-from gpusched.daemon.doctor import session_of
 from gpusched.daemon.executor import Identity
+from gpusched.daemon.procfs import session_of
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 from gpusched.model import Allocation, Job
 
