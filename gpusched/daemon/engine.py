@@ -662,7 +662,7 @@ class Engine:
             trace = self.executor.inspect(job.id)
             rule = decide(job.state, trace)
             if rule.kill:
-                self.executor.kill_job(job.id, trace.pid)
+                self.executor.kill_job(job.id)
             if rule.verdict is Verdict.FINISH and trace.exit is not None:
                 if job.state is JobState.STARTING and trace.pid and not trace.exit.error:
                     job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
@@ -693,7 +693,7 @@ class Engine:
             self.jobs.pop(job_id, None)
             return
         with contextlib.suppress(Exception):
-            self.executor.kill_job(job_id, job.pid)
+            self.executor.kill_job(job_id)
         try:
             self._end(job, fallback(job.state), reason, ended_at=self.clock())
         except Exception:

@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from gpusched.daemon import shim as shim_module
+from gpusched.daemon.procfs import lock_holder, session_leaders_under
 from gpusched.daemon.shim import LAUNCH, SHIM, STATUS, process_start_time, write_atomic
 
 
@@ -283,18 +284,23 @@ class Executor:
             os.close(fd)
         return True
 
-    def kill_job(self, job_id: int, pid: int | None) -> None:
-        """SIGKILL what may be left of a job the daemon gives up on: its process group, and its shim."""
-        trace_pid = pid or self.inspect(job_id).pid
-        if trace_pid and trace_pid > 1:
-            self.signal(trace_pid, signal.SIGKILL)
-        _, info = _read_record(os.path.join(self.job_dir(job_id), SHIM))
-        if info is not None:
-            with contextlib.suppress(TypeError, ValueError):
-                shim_pid, start = _opt_int(info.get("shim_pid")), _opt_int(info.get("shim_start"))
-                if shim_pid and shim_pid > 1 and start is not None and process_start_time(shim_pid) == start:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(shim_pid, signal.SIGKILL)
+    def kill_job(self, job_id: int) -> None:
+        """SIGKILL what may be left of a job the daemon gives up on: the job's session and its shim.
+
+        Only processes proven to be this job's are touched: the job pid when its start time matches
+        shim.json, and the shim holding launch.json's lock (found in /proc/locks), with the session
+        it forked. A recorded pid that now belongs to someone else is left alone.
+        """
+        trace = self.inspect(job_id)
+        victims = {trace.pid} if trace.pid and trace.job_alive else set()
+        holder = lock_holder(os.path.join(self.job_dir(job_id), LAUNCH))
+        if holder is not None and holder > 1:
+            victims.update(session_leaders_under(holder))
+        for leader in victims:
+            self.signal(leader, signal.SIGKILL)
+        if holder is not None and holder > 1:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(holder, signal.SIGKILL)
 
     def signal(self, pid: int, sig: signal.Signals) -> bool:
         """Signal the job's whole process group (the job is a session leader). False if it is gone."""

@@ -57,3 +57,37 @@ STOPPED_STATES = frozenset({"T", "t", "Z", "X"})  # stopped, traced, or already 
 def is_running(states: set[str]) -> bool:
     """Does any process of a session run (or wait to), rather than sit stopped or dead?"""
     return bool(states - STOPPED_STATES)
+
+
+def lock_holder(path: str) -> int | None:
+    """The pid holding an flock on `path` (from /proc/locks, matched by inode); None if unlocked."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters have a "->" field)
+        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+            continue
+        try:
+            dev_ino = parts[5].split(":")
+            if int(dev_ino[2]) == st.st_ino and os.makedev(int(dev_ino[0], 16), int(dev_ino[1], 16)) == st.st_dev:
+                return int(parts[4])
+        except (IndexError, ValueError):
+            continue
+    return None
+
+
+def session_leaders_under(parent: int) -> list[int]:
+    """Children of `parent` that lead their own session (what a shim forks: the job)."""
+    leaders: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is not None and fields[1] == str(parent).encode() and fields[3] == name.encode():
+            leaders.append(int(name))
+    return leaders

@@ -55,7 +55,8 @@ def decide(state: JobState, trace: Trace) -> Rule:
         return Rule(verdict, "requeued after preemption" if state is JobState.PREEMPTED else "", kill=trace.alive)
     # STARTING, RUNNING, SUSPENDED: the job was launched, or was being launched.
     if trace.status is Record.OK:
-        return Rule(Verdict.FINISH)
+        # The shim writes the status last; one still holding its lock is in its final instant.
+        return Rule(Verdict.FINISH, kill=trace.alive)
     if trace.status is Record.TORN:
         return Rule(Verdict.LOST, "its exit status record (status.json) is unreadable", kill=trace.alive)
     if trace.alive:
