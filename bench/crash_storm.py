@@ -3,7 +3,8 @@
 For each seed: a fresh real `gpuschedd` on simulated GPUs; THREADS client threads submit M jobs in
 all (each named uniquely, each appending one line to its own marker file when it runs, then exiting
 0); a killer `kill -9`s the daemon at random moments (every KILL_MIN..KILL_MAX s) and restarts it at
-once. After the last submission every job must end. Then:
+once, until every job has ended (so kills land while jobs are submitted, launched and reaped).
+Then:
 
 - the daemon started again after every kill, and served (a submit answered) right after;
 - every acknowledged submission is stored exactly once (by its unique name); one whose answer was
@@ -134,15 +135,27 @@ def storm(seed: int, daemon: DaemonProc, marker_dir: str, submissions: int, kill
             with ledger.lock:
                 ledger.errors.append(f"restart after kill {ledger.kills}: {exc!r}: {daemon.log_tail()[-800:]}")
 
+    def drained() -> bool:
+        """Every job ended (checked between kills, so kills also land while jobs launch and exit)."""
+        try:
+            with Client(daemon.socket, timeout=30) as c:
+                return not c.call(QueueRequest(limit=1), QueueResult).jobs
+        except (DaemonUnavailable, ProtocolError, OSError):
+            return False
+
     threads = [threading.Thread(target=client, args=(t,), daemon=True) for t in range(THREADS)]
     kill_thread = threading.Thread(target=killer, daemon=True)
     kill_thread.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(1.0, deadline - time.monotonic()))
-    done.set()
-    kill_thread.join(90)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(1.0, deadline - time.monotonic()))
+        while not drained() and time.monotonic() < deadline and kill_thread.is_alive():
+            time.sleep(0.5)
+    finally:
+        done.set()  # the killer must not restart a daemon after the clean-up killed it
+        kill_thread.join(90)
     if any(t.is_alive() for t in threads) or kill_thread.is_alive():
         ledger.errors.append("a client or the killer did not finish before the deadline")
     return ledger

@@ -32,6 +32,7 @@ from gpusched.core.scheduler import (
     unsatisfiable_reason,
 )
 from gpusched.daemon.cgroups import CgroupManager
+from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import Executor, ExitStatus
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
@@ -43,7 +44,6 @@ from gpusched.daemon.launch import (
     job_env,
     mps_control_binary,
 )
-from gpusched.daemon.metrics import Metrics, pending_since
 from gpusched.daemon.procfs import is_running, session_states
 from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome, path_to
 from gpusched.daemon.store import Store
@@ -89,7 +89,7 @@ class Engine:
         self.clock = clock
         self.cgroups = cgroups
         self.cgroup_note = ""  # what `doctor` says about per-job cgroups
-        self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/metrics.py)
+        self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/counters.py)
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
         self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
         self.jobs: dict[int, Job] = {}
