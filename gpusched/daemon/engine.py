@@ -36,20 +36,12 @@ from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import Executor, ExitStatus
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
-from gpusched.daemon.launch import (
-    allocation_env,
-    cpu_and_memory_limits,
-    gpu_memory_by_job,
-    identity,
-    job_env,
-    mps_control_binary,
-)
+from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
 from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome, path_to
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
 from gpusched.gpu.health import HealthAction
-from gpusched.gpu.mps import MpsManager
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -91,7 +83,7 @@ class Engine:
         self.cgroup_note = ""  # what `doctor` says about per-job cgroups
         self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/counters.py)
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
-        self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
+        self.launcher = Launcher(config, executor, cgroups)
         self.jobs: dict[int, Job] = {}
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
@@ -106,7 +98,6 @@ class Engine:
         self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
         self._held_with_deps: set[int] = set()  # HELD jobs with --after (a dependency may fail them)
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
-        self._launching: set[int] = set()  # STARTING jobs whose launch task is in flight
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.passes = 0
@@ -144,9 +135,9 @@ class Engine:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
         await asyncio.to_thread(self.devices.stop_watching)
         held = {u for j in self.active_jobs() if j.allocation for u in j.allocation.uuids}
-        for uuid in self.mps.devices():
+        for uuid in self.launcher.mps.devices():
             if uuid not in held:  # MPS daemons of running jobs stay: their clients still need them
-                await self._stop_mps(uuid)
+                await self.launcher.stop_mps(uuid)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -564,35 +555,26 @@ class Engine:
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
         try:
-            added = allocation_env(job, action.allocation, self.config) | await self._mps_env(action.allocation)
+            added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
+                action.allocation, self.share_modes())
         except GpuError as exc:
             self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
             return
         allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
         job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
-        self._launching.add(job.id)
         self._spawn(self._launch(job, allocation, added))
 
     async def _launch(self, job: Job, allocation: Allocation, added: dict[str, str]) -> None:
         """Start the job's shim (with the launch deadline), record RUNNING, then reap it."""
         try:
-            try:
-                who = identity(job)
-                cgroup, cpuset = cpu_and_memory_limits(job, allocation, self.inventory, self.cgroups)
-                started = await self.executor.start(
-                    job.id, job.spec.argv, job.spec.cwd, job_env(job, added), who, cgroup, cpuset,
-                    deadline_s=self.config.launch_timeout_s, on_pid=lambda pid: self._on_pid(job.id, pid))
-            except asyncio.CancelledError:
-                raise  # daemon shutdown: the shim carries on, and recovery finds it
-            except Exception as exc:  # a bad limit, a vanished user, ...: this job fails, nothing else
-                log.warning("job %d: launch failed: %s", job.id, exc)
-                current = self.jobs.get(job.id)
-                if current is not None and current.state is JobState.STARTING:
-                    self._end(current, JobState.FAILED, f"could not launch: {_describe(exc)}", ended_at=self.clock())
-                self._cleanup(job.id)
-                return
-        finally:
-            self._launching.discard(job.id)
+            started = await self.launcher.start(job, allocation, added, self.inventory, self.config.launch_timeout_s,
+                                                on_pid=lambda pid: self._on_pid(job.id, pid))
+        except LaunchFailed as exc:
+            current = self.jobs.get(job.id)
+            if current is not None and current.state is JobState.STARTING:
+                self._end(current, JobState.FAILED, str(exc), ended_at=self.clock())
+            self._cleanup(job.id)
+            return
         current = self.jobs.get(job.id)
         if started.timed_out and current is not None:
             self._stops.setdefault(job.id, StopRequest(JobState.FAILED, started.error or "launch timed out"))
@@ -613,33 +595,6 @@ class Engine:
             if job_id in self._stops:
                 self._signal_stop(job)
 
-    def _release_mps(self, ended: Job) -> None:
-        """Quit a device's MPS control daemon once its last share has ended (a later share restarts it)."""
-        if ended.allocation is None or ended.allocation.share is None:
-            return
-        for uuid in ended.allocation.uuids:
-            if uuid in self.mps.devices() and not any(
-                    j.id != ended.id and j.state in ACTIVE_STATES and j.allocation is not None
-                    and uuid in j.allocation.uuids for j in self.active_jobs()):
-                self._spawn(self._stop_mps(uuid))
-
-    async def _stop_mps(self, uuid: str) -> None:
-        try:
-            await asyncio.to_thread(self.mps.stop, uuid)
-        except GpuError as exc:
-            log.warning("stopping the MPS control daemon of %s: %s", uuid, exc.message)
-
-    async def _mps_env(self, allocation: Allocation) -> dict[str, str]:
-        """For a share on an `mps` device: start (or reuse) its control daemon and give the job its caps."""
-        if allocation.share is None or len(allocation.devices) != 1:
-            return {}
-        uuid = allocation.devices[0].uuid
-        if self.share_modes().get(uuid) != "mps":
-            return {}
-        daemon = await asyncio.to_thread(self.mps.ensure, uuid)
-        percent = max(1, min(100, round(allocation.share * 100)))
-        return daemon.client_env(percent, allocation.gpu_mem_mib)
-
     async def _reap(self, job_id: int) -> None:
         status = await self.executor.wait(job_id)
         if status is not None:
@@ -648,7 +603,7 @@ class Engine:
     def _poll_adopted(self) -> None:
         """Jobs re-adopted after a restart are not our children: apply the restart rules each tick."""
         for job in self.active_jobs():
-            if not self.executor.owns(job.id) and job.id not in self._launching:
+            if not self.executor.owns(job.id) and job.id not in self.launcher.in_flight:
                 self._recover_job(job)
 
     async def _recover(self) -> None:
@@ -684,7 +639,7 @@ class Engine:
                 self._cleanup(job.id)
         except Exception as exc:
             log.exception("job %d: recovery failed", job.id)
-            self._abandon(job.id, f"recovery failed: {_describe(exc)}")
+            self._abandon(job.id, f"recovery failed: {describe(exc)}")
 
     def _abandon(self, job_id: int, reason: str) -> None:
         """The last resort for a job no rule could handle: kill what is left, end it LOST or FAILED."""
@@ -731,7 +686,8 @@ class Engine:
         if job is None or job.state in TERMINAL_STATES:
             return
         stop = self._stops.get(job_id)
-        self._release_mps(job)
+        for uuid in self.launcher.idle_mps(job, self.active_jobs()):
+            self._spawn(self.launcher.stop_mps(uuid))  # a later share restarts it
         self._cleanup(job_id)
         ended = status.ended_at or self.clock()
         fields: dict[str, object] = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
@@ -937,9 +893,3 @@ def _load_stops(saved: str | None) -> dict[int, StopRequest]:
         except (TypeError, ValueError):
             log.error("saved stop request %r: %r is unreadable; dropped", key, value)
     return stops
-
-
-def _describe(exc: BaseException) -> str:
-    """An exception as one short line for a job's reason (a 4,300-digit number stays a reason, not a crash)."""
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 300 else text[:300] + "..."
