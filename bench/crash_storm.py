@@ -224,15 +224,21 @@ def run_seed(seed: int, args: argparse.Namespace, table: Table) -> bool:
     try:
         daemon.start()
         ledger = storm(seed, daemon, marker_dir, args.submissions, (args.kill_min, args.kill_max), deadline)
-        with Client(daemon.socket, timeout=30) as c:
-            try:
-                wait_until(lambda: not c.call(QueueRequest(), QueueResult).jobs,
-                           timeout=max(5.0, deadline - time.monotonic()), interval=0.2, what="every job to end")
-            except TimeoutError as exc:
-                ledger.errors.append(str(exc))
-            jobs = all_jobs(c)
+        jobs: list[Any] = []
+        try:
+            if daemon.proc is None or daemon.proc.poll() is not None:  # the killer's last restart failed
+                daemon.start()
+            with Client(daemon.socket, timeout=30) as c:
+                try:
+                    wait_until(lambda: not c.call(QueueRequest(), QueueResult).jobs,
+                               timeout=max(5.0, deadline - time.monotonic()), interval=0.2, what="every job to end")
+                except TimeoutError as exc:
+                    ledger.errors.append(str(exc))
+                jobs = all_jobs(c)
+        except Exception as exc:
+            ledger.errors.append(f"after the storm the daemon does not serve: {exc!r}: {daemon.log_tail()[-800:]}")
         states, problems = check(ledger, jobs, marker_dir)
-        stop_s = daemon.terminate()
+        stop_s = daemon.terminate() if daemon.proc is not None and daemon.proc.poll() is None else float("nan")
         elapsed = time.monotonic() - began
         table.add(seed, len(ledger.acked), len(ledger.unknown), sum(1 for n in ledger.unknown if any(
             j.name == n for j in jobs)), ledger.kills, max(ledger.restart_s, default=float("nan")),
