@@ -84,7 +84,8 @@ class Connection:
                     raise TimeoutError("the daemon did not come back") from None
                 time.sleep(0.02)
         try:
-            return self.client.raw_call(message)
+            reply: dict[str, Any] = self.client.raw_call(message)
+            return reply
         except (DaemonUnavailable, OSError):
             self.client.close()
             self.client = None

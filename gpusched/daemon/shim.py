@@ -34,6 +34,7 @@ STATUS = "status.json"
 
 # Exit codes of the shim itself (the job's own status is in status.json).
 EXIT_REVOKED = 3  # the launch was revoked by a restarted daemon, or another shim holds it
+CLAIM_TRIES = 100  # x 10 ms
 
 
 def write_atomic(path: str, data: dict[str, Any]) -> None:
@@ -140,9 +141,15 @@ def _claim(job_dir: str) -> tuple[int, dict[str, Any]] | None:
         fd = os.open(os.path.join(job_dir, LAUNCH), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    # The daemon's liveness probe holds a shared lock for microseconds: wait that out, but never
+    # queue behind another shim, which would hold it for its job's whole life.
+    for _ in range(CLAIM_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.01)
+    else:
         os.close(fd)
         return None
     if os.fstat(fd).st_nlink == 0:  # unlinked by a restarted daemon before we got the lock

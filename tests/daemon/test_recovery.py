@@ -18,6 +18,7 @@ ended may leave a process running, and a process that merely reuses a recorded p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -27,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -118,9 +120,9 @@ def _write(path: str, record: str, data: dict[str, object]) -> None:
             json.dump(data, f)
 
 
-def _wait(predicate: object, what: str, timeout: float = 20.0) -> None:
+def _wait(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
 
@@ -202,12 +204,11 @@ def world() -> Iterator[World]:
         store.close()
         for case in w.cases.values():
             holder = lock_holder(os.path.join(executor.job_dir(case.job_id), shim.LAUNCH))
-            for pid in (case.job_pid, case.shim_pid, holder):
-                if pid:
-                    try:
-                        os.killpg(pid, signal.SIGKILL) if pid == case.job_pid else os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            for victim in (case.job_pid, case.shim_pid, holder):
+                if victim:
+                    kill = os.killpg if victim == case.job_pid else os.kill
+                    with contextlib.suppress(ProcessLookupError):
+                        kill(victim, signal.SIGKILL)
         kill_recorded_jobs(w.state_dir)
         for proc in helpers:
             proc.kill()
@@ -244,7 +245,7 @@ def test_recovery_matrix(world: World, state: JobState, shim_record: str, status
 
 
 @pytest.mark.parametrize("state", list(JobState))
-@pytest.mark.parametrize("final", list(TERMINAL_STATES) + [JobState.PREEMPTED])
+@pytest.mark.parametrize("final", [*TERMINAL_STATES, JobState.PREEMPTED])
 def test_path_to_is_always_legal(state: JobState, final: JobState) -> None:
     """Whatever the outcome of a status, the steps to record it are legal from any state."""
     if state in TERMINAL_STATES:
@@ -271,3 +272,46 @@ def test_decide_never_adopts_without_a_record_of_the_job() -> None:
     assert decide(JobState.RUNNING, trace).verdict is Verdict.LOST
     assert decide(JobState.RUNNING, trace).kill
     assert decide(JobState.STARTING, trace).verdict is Verdict.KEEP  # its shim is still launching it
+
+
+# ---- the launch lock -------------------------------------------------------------------------------
+
+
+def _launch_dir(tmp_path: Path, argv: list[str]) -> tuple[Executor, str]:
+    executor = Executor(os.path.join(tmp_path, "state"))
+    job_dir = executor.job_dir(1)
+    os.makedirs(job_dir)
+    launch = {"argv": argv, "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, "log_path": executor.log_path(1),
+              "uid": 0, "gid": 0, "groups": [], "drop_privileges": False, "cgroup": None, "cpuset": []}
+    with open(os.path.join(job_dir, shim.LAUNCH), "w") as f:
+        json.dump(launch, f)
+    return executor, job_dir
+
+
+def test_a_revoked_launch_never_runs(tmp_path: Path) -> None:
+    """Recovery requeues a STARTING job with no shim record only after revoking its launch: a shim
+    that starts afterwards (it was spawned just before the kill -9) must run nothing."""
+    marker = os.path.join(tmp_path, "ran")
+    executor, job_dir = _launch_dir(tmp_path, ["sh", "-c", f"echo ran > {marker}"])
+    assert executor.revoke(1)
+    proc = subprocess.run([sys.executable, "-I", shim.__file__, job_dir], capture_output=True, timeout=30)
+    assert proc.returncode == shim.EXIT_REVOKED
+    assert not os.path.exists(marker) and not os.path.exists(os.path.join(job_dir, shim.SHIM))
+
+
+def test_revoke_refuses_while_a_shim_holds_the_launch(tmp_path: Path) -> None:
+    executor, job_dir = _launch_dir(tmp_path, ["sleep", "60"])
+    proc = subprocess.Popen([sys.executable, "-I", shim.__file__, job_dir], stdout=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        _wait(lambda: os.path.exists(os.path.join(job_dir, shim.SHIM)), "the shim to fork its job")
+        trace = executor.inspect(1)
+        assert trace.locked and trace.job_alive and trace.shim is Record.OK and trace.status is Record.ABSENT
+        assert not executor.revoke(1)
+        assert os.path.exists(os.path.join(job_dir, shim.LAUNCH))
+        executor.kill_job(1)
+        proc.wait(10)
+        assert not _alive(trace.pid)
+    finally:
+        proc.kill()
+        proc.wait()

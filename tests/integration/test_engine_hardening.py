@@ -51,6 +51,13 @@ def _alive(pid: int) -> bool:
     return shim.process_start_time(pid) is not None  # a zombie counts as gone
 
 
+def _forked(state_dir: str, job_id: int) -> int:
+    """The job's pid once its shim has forked it."""
+    pid = wait_until(lambda: _job_pid(state_dir, job_id), what="the shim to fork the job")
+    assert pid is not None
+    return pid
+
+
 def _job_pid(state_dir: str, job_id: int) -> int | None:
     try:
         with open(os.path.join(state_dir, "jobs", str(job_id), shim.SHIM)) as f:
@@ -136,7 +143,7 @@ def test_a_stuck_launch_fails_only_that_job(daemon_factory: Any, stuck_launches:
         stuck_launches.add(1)
         stuck = submit(c, spec("true"))
         assert stuck == 1
-        pid = wait_until(lambda: _job_pid(d.state_dir, stuck), what="the shim to fork the job")
+        pid = _forked(d.state_dir, stuck)
         os.kill(pid, signal.SIGSTOP)  # what the job's user can do to their own process
         began = time.monotonic()
         other = submit(c, spec("sleep", "30"))
@@ -154,7 +161,7 @@ def test_cancel_reaches_a_job_stuck_before_exec(daemon_factory: Any, stuck_launc
     with d.client() as c:
         stuck_launches.add(1)
         stuck = submit(c, spec("true"))
-        pid = wait_until(lambda: _job_pid(d.state_dir, stuck), what="the shim to fork the job")
+        pid = _forked(d.state_dir, stuck)
         os.kill(pid, signal.SIGSTOP)
         assert c.call(CancelRequest(job_ids=[stuck]), CancelResult).cancelled == [stuck]
         job = wait_done(c, stuck, timeout=10).job  # kill_grace_s is 2 s
@@ -230,8 +237,8 @@ def test_processes_left_behind_die_before_the_job_ends(daemon: DaemonHandle, tmp
 def test_sigcont_while_suspended_runs_the_clock_again(daemon: DaemonHandle) -> None:
     with daemon.client() as c:
         job_id = submit(c, spec("sleep", "60", time_limit_s=3))
-        pid = wait_until(lambda: _show(c, job_id).pid if state_of(c, job_id) is JobState.RUNNING else None,
-                         what="running")
+        pid: int = wait_until(lambda: _show(c, job_id).pid if state_of(c, job_id) is JobState.RUNNING else 0,
+                              what="running")
         c.call(SuspendRequest(job_ids=[job_id]), JobsChanged)
         wait_until(lambda: "T" in _proc_state(pid), what="the job stopped")
         began = time.monotonic()
