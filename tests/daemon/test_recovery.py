@@ -311,7 +311,7 @@ def test_revoke_refuses_while_a_shim_holds_the_launch(tmp_path: Path) -> None:
         assert os.path.exists(os.path.join(job_dir, shim.LAUNCH))
         executor.kill_job(1)
         proc.wait(10)
-        assert not _alive(trace.pid)
+        _wait(lambda: not _alive(trace.pid), "the job to die with its shim")  # SIGKILL lands asynchronously
     finally:
         proc.kill()
         proc.wait()
