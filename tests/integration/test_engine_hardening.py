@@ -156,6 +156,21 @@ def test_a_stuck_launch_fails_only_that_job(daemon_factory: Any, stuck_launches:
         assert state_of(c, other) is JobState.RUNNING
 
 
+def test_a_slow_exec_does_not_hold_up_other_jobs(daemon: DaemonHandle) -> None:
+    """A 60,000-entry PATH makes the child's execvpe copy the environment once per entry (quadratic,
+    seconds) as the job's user; the pass used to wait for it, so the next job waited too. (Empty
+    entries: one variable may not exceed 128 KiB, or exec fails at once with E2BIG.)"""
+    slow_path = ":" * 60_000 + "/usr/bin:/bin"
+    with daemon.client() as c:
+        slow = submit(c, JobSpec(argv=["true"], cwd="/", env={"PATH": slow_path}, request=WholeRequest(gpus=1)))
+        wait_until(lambda: state_of(c, slow) is not JobState.PENDING, what="the slow job to begin its launch")
+        other = submit(c, spec("sleep", "30"))
+        wait_until(lambda: state_of(c, other) is JobState.RUNNING, timeout=15, what="the other job to run")
+        assert wait_done(c, slow, timeout=60).job.state is JobState.COMPLETED
+        started = {j: next(t.at for t in _show(c, j).history if t.state is JobState.RUNNING) for j in (slow, other)}
+        assert started[other] < started[slow], f"the other job waited for the slow launch: {started}"
+
+
 def test_cancel_reaches_a_job_stuck_before_exec(daemon_factory: Any, stuck_launches: set[int]) -> None:
     d = daemon_factory(launch_timeout_s=300.0)
     with d.client() as c:
