@@ -571,9 +571,9 @@ class Engine:
                                                 on_pid=lambda pid: self._on_pid(job.id, pid))
         except LaunchFailed as exc:
             current = self.jobs.get(job.id)
+            self._cleanup(job.id)
             if current is not None and current.state is JobState.STARTING:
                 self._end(current, JobState.FAILED, str(exc), ended_at=self.clock())
-            self._cleanup(job.id)
             return
         current = self.jobs.get(job.id)
         if started.timed_out and current is not None:
@@ -635,8 +635,8 @@ class Engine:
                 self._set(job, JobState.PENDING, rule.reason, allocation=None, pid=None, started_at=None,
                           ended_at=None, exit_code=None, signal=None)
             elif rule.verdict is Verdict.LOST:
-                self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
                 self._cleanup(job.id)
+                self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
         except Exception as exc:
             log.exception("job %d: recovery failed", job.id)
             self._abandon(job.id, f"recovery failed: {describe(exc)}")
@@ -649,13 +649,13 @@ class Engine:
             return
         with contextlib.suppress(Exception):
             self.executor.kill_job(job_id)
+            self._cleanup(job_id)
         try:
             self._end(job, fallback(job.state), reason, ended_at=self.clock())
         except Exception:
             log.exception("job %d: cannot record its end; no longer tracked", job_id)
             self.jobs.pop(job_id, None)
             self._active.discard(job_id)
-        self._cleanup(job_id)
 
     def _end(self, job: Job, final: JobState, reason: str, **fields: object) -> Job:
         """Move a job to `final` by legal steps (a STARTING job that ran passes through RUNNING)."""
@@ -670,6 +670,10 @@ class Engine:
 
     def _cleanup(self, job_id: int) -> None:
         """Forget a job's stop request and timers, and give back its MPS share and cgroup."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            for uuid in self.launcher.idle_mps(job, self.active_jobs()):
+                self._spawn(self.launcher.stop_mps(uuid))  # a later share restarts it
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()
@@ -686,8 +690,6 @@ class Engine:
         if job is None or job.state in TERMINAL_STATES:
             return
         stop = self._stops.get(job_id)
-        for uuid in self.launcher.idle_mps(job, self.active_jobs()):
-            self._spawn(self.launcher.stop_mps(uuid))  # a later share restarts it
         self._cleanup(job_id)
         ended = status.ended_at or self.clock()
         fields: dict[str, object] = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
