@@ -137,9 +137,8 @@ class Executor:
         try:
             async with asyncio.timeout(deadline_s):
                 first = await reader.readline()
-                if not first:
+                if not first:  # left in _shims: wait() reaps it and reports the job FAILED
                     await shim.exited
-                    self._shims.pop(job_id, None)
                     return Started(pid=0, error=f"job supervisor exited with status {shim.exited.result()} "
                                    "before starting it")
                 pid = int(json.loads(first)["pid"])

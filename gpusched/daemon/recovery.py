@@ -76,7 +76,12 @@ def decide(state: JobState, trace: Trace) -> Rule:
 
 
 def outcome(status: ExitStatus, stop: StopRequest | None) -> tuple[JobState, str]:
-    """The final state of a job that ended with `status`, given the stop the daemon asked for (if any)."""
+    """The final state of a job that ended with `status`, given the stop the daemon asked for (if any).
+
+    A FAILED stop is the daemon's own verdict (launch deadline, GPU fault, GPU memory): its reason
+    says more than how the process died."""
+    if stop is not None and stop.final is JobState.FAILED:
+        return stop.final, stop.reason
     if status.error:
         return JobState.FAILED, f"could not start: {status.error}"
     if stop is not None:

@@ -171,6 +171,20 @@ def test_a_slow_exec_does_not_hold_up_other_jobs(daemon: DaemonHandle) -> None:
         assert started[other] < started[slow], f"the other job waited for the slow launch: {started}"
 
 
+def test_a_shim_that_dies_before_forking_fails_its_job_once(daemon: DaemonHandle) -> None:
+    """Not requeued (the launch would fail again and again): the job ends FAILED with the reason."""
+    executor = daemon.call_in_loop(lambda: daemon.daemon.engine.executor)  # type: ignore[union-attr]
+    executor.python = "/bin/false"  # the shim's interpreter exits 1 at once
+    try:
+        with daemon.client() as c:
+            job = wait_done(c, submit(c, spec("true"))).job
+            assert job.state is JobState.FAILED and "job supervisor" in job.reason, job.reason
+    finally:
+        executor.python = sys.executable
+    with daemon.client() as c:
+        assert wait_done(c, submit(c, spec("true"))).job.state is JobState.COMPLETED
+
+
 def test_cancel_reaches_a_job_stuck_before_exec(daemon_factory: Any, stuck_launches: set[int]) -> None:
     d = daemon_factory(launch_timeout_s=300.0)
     with d.client() as c:
