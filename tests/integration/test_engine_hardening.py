@@ -185,6 +185,21 @@ def test_a_shim_that_dies_before_forking_fails_its_job_once(daemon: DaemonHandle
         assert wait_done(c, submit(c, spec("true"))).job.state is JobState.COMPLETED
 
 
+def test_time_limits_hold_while_a_launch_is_stuck(daemon_factory: Any, stuck_launches: set[int]) -> None:
+    """Seen: a `--time 3` job ran for 20 s while the loop waited on someone else's launch."""
+    d = daemon_factory(launch_timeout_s=300.0)
+    with d.client() as c:
+        stuck_launches.add(1)
+        stuck = submit(c, spec("true"))
+        os.kill(_forked(d.state_dir, stuck), signal.SIGSTOP)
+        began = time.monotonic()
+        limited = submit(c, spec("sleep", "60", time_limit_s=2))
+        job = wait_done(c, limited, timeout=20).job
+        assert job.state is JobState.TIMEOUT
+        assert time.monotonic() - began < 2.0 + 2.0 + 6.0  # limit + kill grace + slack
+        assert state_of(c, stuck) is JobState.STARTING
+
+
 def test_cancel_reaches_a_job_stuck_before_exec(daemon_factory: Any, stuck_launches: set[int]) -> None:
     d = daemon_factory(launch_timeout_s=300.0)
     with d.client() as c:
