@@ -171,6 +171,10 @@ class DaemonConfig(BaseModel):
     allow_root_jobs: bool = Field(default=False, description="run jobs submitted by root (off: refused)")
     kill_grace_s: float = Field(default=10.0, ge=0.0, le=3600.0, description="SIGTERM -> SIGKILL grace period")
     tick_s: float = Field(default=1.0, gt=0.0, le=60.0, description="housekeeping interval (time limits, charging)")
+    launch_timeout_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0, description="a job not exec'd this long after its launch began is "
+        "killed and ends FAILED (its user controls that time)"
+    )
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     max_pending_per_user: int = Field(
         default=50000, ge=1, description="pending and held jobs one user may have; more submits are refused"

@@ -21,6 +21,9 @@ CPU_PERIOD_US = 100_000
 WANTED_CONTROLLERS = ("cpu", "cpuset", "memory")
 
 
+MAX_LIMIT = 2**63  # cgroup v2 limits are signed 64-bit
+
+
 class CgroupError(Exception):
     """The cgroup subtree cannot be used as configured."""
 
@@ -73,6 +76,10 @@ class CgroupManager:
 
     def create(self, job_id: int, limits: JobLimits) -> str:
         """Make the job's cgroup and write its limits; returns the directory the shim joins."""
+        if limits.mem_bytes is not None and not 0 < limits.mem_bytes < MAX_LIMIT:
+            # Checked before anything is written (and the number never printed: a 4,300-digit int
+            # cannot even be turned into a string).
+            raise CgroupError("mem_mib: more memory than the kernel can limit (memory.max takes at most 2^63-1 bytes)")
         path = self.job_path(job_id)
         os.makedirs(path, exist_ok=True)
         if limits.mem_bytes is not None and "memory" in self.controllers:

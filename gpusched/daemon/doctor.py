@@ -11,6 +11,7 @@ import stat
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
+from gpusched.daemon.procfs import session_of
 from gpusched.gpu.backend import GpuError
 from gpusched.gpu.profiles import MODELS
 from gpusched.protocol import DoctorCheck
@@ -122,15 +123,6 @@ def _paths(engine: Engine, socket_path: str) -> Iterable[DoctorCheck]:
                      f"chown {os.geteuid()} {state_dir} && chmod 0711 {state_dir}")
     else:
         yield _check("state_dir", PASS, f"{state_dir} mode {stat.S_IMODE(st.st_mode):04o}, owned by the daemon")
-
-
-def session_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[3])  # session id: every process of a job shares the job's (it is a session leader)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _owner(pid: int) -> str:

@@ -16,7 +16,6 @@ import pwd
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from gpusched.config import DaemonConfig
@@ -32,23 +31,17 @@ from gpusched.core.scheduler import (
     StartJob,
     unsatisfiable_reason,
 )
-from gpusched.daemon.cgroups import CgroupError, CgroupManager
+from gpusched.daemon.cgroups import CgroupManager
+from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import Executor, ExitStatus
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
-from gpusched.daemon.launch import (
-    allocation_env,
-    cpu_and_memory_limits,
-    gpu_memory_by_job,
-    identity,
-    job_env,
-    mps_control_binary,
-)
-from gpusched.daemon.metrics import Metrics, pending_since
+from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, describe, gpu_memory_by_job
+from gpusched.daemon.procfs import is_running, session_states
+from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome, path_to
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
 from gpusched.gpu.health import HealthAction
-from gpusched.gpu.mps import MpsManager
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -65,13 +58,7 @@ from gpusched.protocol import ErrorCode, ProtocolError
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
 log = logging.getLogger("gpusched.engine")
 
-
-@dataclass(frozen=True, slots=True)
-class StopRequest:
-    """Why a running job is being stopped, and the state it ends in once it has exited."""
-
-    final: JobState
-    reason: str
+SUSPEND_SETTLE_S = 0.5  # how long after a suspend its SIGSTOP must show in /proc
 
 
 class Engine:
@@ -95,9 +82,9 @@ class Engine:
         self.clock = clock
         self.cgroups = cgroups
         self.cgroup_note = ""  # what `doctor` says about per-job cgroups
-        self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/metrics.py)
+        self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/counters.py)
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
-        self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
+        self.launcher = Launcher(config, executor, cgroups)
         self.jobs: dict[int, Job] = {}
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
@@ -127,7 +114,10 @@ class Engine:
         saved = self.store.get_meta("standing")
         load = getattr(self.scheduler, "load_standing", None)
         if saved and callable(load):
-            load(json.loads(saved))
+            try:
+                load(json.loads(saved))
+            except Exception:
+                log.exception("saved fair-share standing is unreadable; every user starts at lag 0")
         history = self.store.get_meta("runtime_history")
         load_history = getattr(self.scheduler, "load_history", None)
         if history and callable(load_history):
@@ -143,9 +133,7 @@ class Engine:
                 self._count_waiting(job.uid, 1)
                 if job.state is JobState.HELD and job.spec.after:
                     self._held_with_deps.add(job.id)
-        stops = self.store.get_meta("stop_requests")
-        for key, (final, reason) in (json.loads(stops) if stops else {}).items():
-            self._stops[int(key)] = StopRequest(JobState(final), reason)
+        self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
         await self._recover()
         self.requeue_all()
         self._write_job_mapping()
@@ -156,9 +144,9 @@ class Engine:
         """Stop deciding. Running jobs keep running under their shims; the next start re-adopts them."""
         await asyncio.to_thread(self.devices.stop_watching)
         held = {(u, j.uid) for j in self.active_jobs() if j.allocation for u in j.allocation.uuids}
-        for uuid, uid in self.mps.servers():
+        for uuid, uid in self.launcher.mps.servers():
             if (uuid, uid) not in held:  # MPS daemons of running jobs stay: their clients still need them
-                await self._stop_mps(uuid, uid)
+                await self.launcher.stop_mps(uuid, uid)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -189,6 +177,7 @@ class Engine:
                 if ticked:
                     await self.refresh_inventory()
                     self._poll_adopted()
+                    self._check_suspended()
                     for device in self.devices.tick(self.clock()):
                         log.info("device %s back in service after its quiet period", device)
                     await self._watch_gpu_memory()
@@ -567,65 +556,53 @@ class Engine:
         return ok
 
     async def _start(self, action: StartJob) -> None:
+        """Commit STARTING with the devices, then launch off the pass: nothing a job's user controls
+        (everything between the shim's fork and the job's exec runs as that user) can stall it."""
         job = self.jobs.get(action.job_id)
         if job is None or job.state is not JobState.PENDING:
             return
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
         try:
-            mps = await self._mps_env(action.allocation, job.uid)
-            added = allocation_env(job, action.allocation, self.config) | mps
+            added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
+                action.allocation, self.share_modes(), job.uid)
         except GpuError as exc:
             self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
             return
         allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
         job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
+        self._spawn(self._launch(job, allocation, added))
+
+    async def _launch(self, job: Job, allocation: Allocation, added: dict[str, str]) -> None:
+        """Start the job's shim (with the launch deadline), record RUNNING, then reap it."""
         try:
-            who = identity(job)
-            cgroup, cpuset = cpu_and_memory_limits(job, allocation, self.inventory, self.cgroups)
-            started = await self.executor.start(job.id, job.spec.argv, job.spec.cwd, job_env(job, added), who,
-                                                cgroup, cpuset)
-        except (OSError, KeyError, CgroupError) as exc:
-            self._set(job, JobState.FAILED, f"could not launch: {exc}", ended_at=self.clock())
+            started = await self.launcher.start(job, allocation, added, self.inventory, self.config.launch_timeout_s,
+                                                on_pid=lambda pid: self._on_pid(job.id, pid))
+        except LaunchFailed as exc:
+            current = self.jobs.get(job.id)
+            self._cleanup(job.id)
+            if current is not None and current.state is JobState.STARTING:
+                self._end(current, JobState.FAILED, str(exc), ended_at=self.clock())
             return
-        job = self.jobs[job.id]
-        if not started.error:
-            job = self._set(job, JobState.RUNNING, "started", pid=started.pid)
-            stop = self._stops.get(job.id)
-            if stop is not None:  # cancelled (or timed out) while it was starting
-                self._signal_stop(job)
+        current = self.jobs.get(job.id)
+        if started.timed_out and current is not None:
+            self._stops.setdefault(job.id, StopRequest(JobState.FAILED, started.error or "launch timed out"))
+            self._persist_stops()
+        elif current is not None and current.state is JobState.STARTING and not started.error:
+            current = self._set(current, JobState.RUNNING, "started", pid=started.pid)
+            if current.id in self._stops:  # cancelled (or timed out) while it was starting
+                self._signal_stop(current)
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
-        self._spawn(self._reap(job.id))
+        await self._reap(job.id)
 
-    def _release_mps(self, ended: Job) -> None:
-        """Quit a user's MPS control daemon on a device once their last share there has ended."""
-        if ended.allocation is None or ended.allocation.share is None:
-            return
-        servers = set(self.mps.servers())
-        for uuid in ended.allocation.uuids:
-            if (uuid, ended.uid) in servers and not any(
-                    j.id != ended.id and j.uid == ended.uid and j.state in ACTIVE_STATES and j.allocation is not None
-                    and uuid in j.allocation.uuids for j in self.active_jobs()):
-                self._spawn(self._stop_mps(uuid, ended.uid))
-
-    async def _stop_mps(self, uuid: str, uid: int | None) -> None:
-        try:
-            await asyncio.to_thread(self.mps.stop, uuid, uid)
-        except GpuError as exc:
-            log.warning("stopping the MPS control daemon of %s (uid %s): %s", uuid, uid, exc.message)
-
-    async def _mps_env(self, allocation: Allocation, uid: int) -> dict[str, str]:
-        """For a share on an `mps` device: start (or reuse) the user's control daemon there, and give the
-        job its caps. One daemon per user and device, so several users' shares can be co-resident."""
-        if allocation.share is None or len(allocation.devices) != 1:
-            return {}
-        uuid = allocation.devices[0].uuid
-        if self.share_modes().get(uuid) != "mps":
-            return {}
-        daemon = await asyncio.to_thread(self.mps.ensure, uuid, uid)
-        percent = max(1, min(100, round(allocation.share * 100)))
-        return daemon.client_env(percent, allocation.gpu_mem_mib)
+    def _on_pid(self, job_id: int, pid: int) -> None:
+        """The shim has forked the job: a stop requested meanwhile can reach it now (even unexec'd)."""
+        job = self.jobs.get(job_id)
+        if job is not None and job.state is JobState.STARTING:
+            job = self.jobs[job_id] = self.store.update(job, pid=pid)
+            if job_id in self._stops:
+                self._signal_stop(job)
 
     async def _reap(self, job_id: int) -> None:
         status = await self.executor.wait(job_id)
@@ -633,72 +610,103 @@ class Engine:
             self._finish(job_id, status)
 
     def _poll_adopted(self) -> None:
-        """Jobs re-adopted after a restart are not our children: look for their status each tick."""
+        """Jobs re-adopted after a restart are not our children: apply the restart rules each tick."""
         for job in self.active_jobs():
-            if self.executor.owns(job.id):
-                continue
-            status = self.executor.collect(job.id)
-            if status is not None:
-                self._finish(job.id, status)
-            elif not self.executor.is_alive(job.id):
-                self._set(job, JobState.LOST, "job supervisor vanished without recording an exit status",
-                          ended_at=self.clock())
+            if not self.executor.owns(job.id) and job.id not in self.launcher.in_flight:
+                self._recover_job(job)
 
     async def _recover(self) -> None:
-        """Explicit restart rules: collect what ended, re-adopt what runs, LOST only what we cannot know."""
+        """Explicit restart rules (daemon/recovery.py) for every unfinished job; none can stop the start."""
         for job in list(self.jobs.values()):
-            if job.state is JobState.STARTING:
-                status = self.executor.collect(job.id)
-                if status is not None:
-                    self._finish(job.id, status)
-                elif self.executor.is_alive(job.id):
-                    job = self._set(job, JobState.RUNNING, "re-adopted after daemon restart",
-                                    pid=self.executor.adopted_pid(job.id))
-                    if job.id in self._stops:
-                        self._request_stop(job, self._stops[job.id])
-                else:
-                    self._set(job, JobState.LOST, "daemon stopped while the job was starting",
-                              ended_at=self.clock())
-            elif job.state in (JobState.RUNNING, JobState.SUSPENDED):
-                status = self.executor.collect(job.id)
-                if status is not None:
-                    self._finish(job.id, status)
-                elif not self.executor.is_alive(job.id):
-                    self._set(job, JobState.LOST, "job ended while the daemon was down and left no status",
-                              ended_at=self.clock())
-                elif job.id in self._stops:
+            self._recover_job(job)
+
+    def _recover_job(self, job: Job) -> None:
+        """Apply the restart rule for one job; whatever goes wrong ends that job, never the daemon."""
+        try:
+            trace = self.executor.inspect(job.id)
+            rule = decide(job.state, trace)
+            if rule.kill:
+                self.executor.kill_job(job.id)
+            if rule.verdict is Verdict.FINISH and trace.exit is not None:
+                if job.state is JobState.STARTING and trace.pid and not trace.exit.error:
+                    job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
+                self._finish(job.id, trace.exit)
+            elif rule.verdict is Verdict.ADOPT:
+                if job.state is JobState.STARTING:
+                    job = self._set(job, JobState.RUNNING, rule.reason, pid=trace.pid)
+                elif job.pid != trace.pid and trace.pid:
+                    job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
+                if job.id in self._stops:
                     self._request_stop(job, self._stops[job.id])
-            elif job.state is JobState.PREEMPTED:
-                self._set(job, JobState.PENDING, "requeued after preemption")
+            elif rule.verdict is Verdict.REQUEUE:
+                if job.state is JobState.STARTING and not self.executor.revoke(job.id):
+                    return  # a shim took the launch after all: the next tick sees it run
+                self._set(job, JobState.PENDING, rule.reason, allocation=None, pid=None, started_at=None,
+                          ended_at=None, exit_code=None, signal=None)
+            elif rule.verdict is Verdict.LOST:
+                self._cleanup(job.id)
+                self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
+        except Exception as exc:
+            log.exception("job %d: recovery failed", job.id)
+            self._abandon(job.id, f"recovery failed: {describe(exc)}")
+
+    def _abandon(self, job_id: int, reason: str) -> None:
+        """The last resort for a job no rule could handle: kill what is left, end it LOST or FAILED."""
+        job = self.store.get(job_id) or self.jobs.get(job_id)
+        if job is None:
+            self.jobs.pop(job_id, None)
+            return
+        with contextlib.suppress(Exception):
+            self.executor.kill_job(job_id)
+            self._cleanup(job_id)
+        try:
+            self._end(job, fallback(job.state), reason, ended_at=self.clock())
+        except Exception:
+            log.exception("job %d: cannot record its end; no longer tracked", job_id)
+            self.jobs.pop(job_id, None)
+            self._active.discard(job_id)
+
+    def _end(self, job: Job, final: JobState, reason: str, **fields: object) -> Job:
+        """Move a job to `final` by legal steps (a STARTING job that ran passes through RUNNING)."""
+        if job.state in TERMINAL_STATES:
+            return job
+        steps = path_to(job.state, final)
+        for state in steps[:-1]:
+            job = self._set(job, state, "ran (recorded after the fact)")
+        if steps[-1] is not final:
+            reason = f"{reason} (ended {steps[-1]}: no way from {job.state} to {final})"
+        return self._set(job, steps[-1], reason, **fields)
+
+    def _cleanup(self, job_id: int) -> None:
+        """Forget a job's stop request and timers, and give back its MPS share and cgroup."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            for uuid in self.launcher.idle_mps(job, self.active_jobs()):
+                self._spawn(self.launcher.stop_mps(uuid, job.uid))  # a later share restarts it
+        timer = self._kill_timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self._stops.pop(job_id, None) is not None:
+            self._persist_stops()
+        if self.cgroups is not None:
+            self.cgroups.kill(job_id)  # anything that left the job's session still dies with the job
+            if not self.cgroups.remove(job_id):
+                log.warning("job %d: cgroup %s still has processes; left in place", job_id,
+                            self.cgroups.job_path(job_id))
 
     def _finish(self, job_id: int, status: ExitStatus) -> None:
         job = self.jobs.get(job_id)
         if job is None or job.state in TERMINAL_STATES:
             return
-        timer = self._kill_timers.pop(job_id, None)
-        if timer is not None:
-            timer.cancel()
-        stop = self._stops.pop(job_id, None)
-        self._persist_stops()
-        self._release_mps(job)
-        if self.cgroups is not None and not self.cgroups.remove(job_id):
-            log.warning("job %d: cgroup %s still has processes; left in place", job_id, self.cgroups.job_path(job_id))
+        stop = self._stops.get(job_id)
+        self._cleanup(job_id)
         ended = status.ended_at or self.clock()
-        fields = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
-        if status.error:
-            self._set(job, JobState.FAILED, f"could not start: {status.error}", **fields)
-        elif stop is not None and stop.final is JobState.PREEMPTED:
-            job = self._set(job, JobState.PREEMPTED, stop.reason, **fields)
+        fields: dict[str, object] = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
+        final, reason = outcome(status, stop)
+        job = self._end(job, final, reason, **fields)
+        if job.state is JobState.PREEMPTED:
             self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, pid=None,
                       started_at=None, ended_at=None, exit_code=None, signal=None)
-        elif stop is not None:
-            self._set(job, stop.final, stop.reason, **fields)
-        elif status.signal is not None:
-            self._set(job, JobState.FAILED, f"killed by signal {_signame(status.signal)}", **fields)
-        elif status.exit_code == 0:
-            self._set(job, JobState.COMPLETED, "exit code 0", **fields)
-        else:
-            self._set(job, JobState.FAILED, f"exit code {status.exit_code}", **fields)
         self.wake()
 
     # ---- stopping running jobs -----------------------------------------------------------------
@@ -714,8 +722,9 @@ class Engine:
     def _signal_stop(self, job: Job) -> None:
         """Carry out a recorded stop once the job has a pid (a STARTING job gets it when it runs)."""
         if job.pid and job.id not in self._kill_timers:
-            if job.state is JobState.SUSPENDED:
-                self.executor.signal(job.pid, signal.SIGCONT)  # a stopped job cannot handle SIGTERM
+            if job.state in (JobState.SUSPENDED, JobState.STARTING):
+                # A stopped job cannot handle SIGTERM (one stopped by its user before its exec neither).
+                self.executor.signal(job.pid, signal.SIGCONT)
             self.executor.signal(job.pid, signal.SIGTERM)
             loop = asyncio.get_running_loop()
             self._kill_timers[job.id] = loop.call_later(self.config.kill_grace_s, self._kill_hard, job.id, job.pid)
@@ -725,6 +734,20 @@ class Engine:
         self.executor.signal(pid, signal.SIGKILL)
         if self.cgroups is not None:
             self.cgroups.kill(job_id)
+
+    def _check_suspended(self) -> None:
+        """A SUSPENDED job's owner can SIGCONT it: a job that runs again is RUNNING, and its clock runs.
+
+        Checked from /proc (every process of the job's session stopped, or dead) a moment after the
+        suspend, so the SIGSTOP has certainly landed.
+        """
+        now = self.clock()
+        suspended = {j.pid: j for j in self.active_jobs() if j.state is JobState.SUSPENDED and j.pid
+                     and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S}
+        for sid, states in session_states(suspended).items():
+            if is_running(states):
+                self._set(suspended[sid], JobState.RUNNING, "continued by a signal gpusched did not send while "
+                          "suspended; it runs again, and its time counts")
 
     def _enforce_time_limits(self) -> None:
         now = self.clock()
@@ -874,8 +897,19 @@ def run_seconds(job: Job, now: float) -> float:
     return total
 
 
-def _signame(signum: int) -> str:
+def _load_stops(saved: str | None) -> dict[int, StopRequest]:
+    """The persisted stop requests; an unreadable entry is dropped (logged), never fatal."""
+    stops: dict[int, StopRequest] = {}
     try:
-        return signal.Signals(signum).name
+        entries = json.loads(saved) if saved else {}
+        items = entries.items() if isinstance(entries, dict) else []
     except ValueError:
-        return str(signum)
+        log.error("saved stop requests are unreadable; running jobs keep running")
+        items = []
+    for key, value in items:
+        try:
+            final, reason = value
+            stops[int(key)] = StopRequest(JobState(final), str(reason))
+        except (TypeError, ValueError):
+            log.error("saved stop request %r: %r is unreadable; dropped", key, value)
+    return stops

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
+from gpusched.daemon import shim as shim_module
+from gpusched.daemon.procfs import lock_holder, session_leaders_under
 from gpusched.daemon.shim import LAUNCH, SHIM, STATUS, process_start_time, write_atomic
 
 
@@ -41,6 +46,30 @@ class ExitStatus:
     ended_at: float | None
 
 
+class Record(Enum):
+    """How a file the shim writes was found."""
+
+    ABSENT = "absent"
+    TORN = "torn"  # there, but not the JSON object the shim writes (truncated, corrupt)
+    OK = "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """What a job's directory and /proc say about it, for the restart rules (daemon/recovery.py)."""
+
+    shim: Record  # shim.json: written once the shim has forked the job
+    status: Record  # status.json: written once the job has ended
+    exit: ExitStatus | None  # the status, when status is OK
+    pid: int | None  # the job's pid per shim.json
+    locked: bool  # a live shim holds launch.json's lock (locks die with their process: no pid reuse)
+    job_alive: bool  # the recorded job pid is the very process the shim forked (start time matches)
+
+    @property
+    def alive(self) -> bool:
+        return self.locked or self.job_alive
+
+
 @dataclass(frozen=True, slots=True)
 class _Shim:
     pid: int
@@ -53,6 +82,7 @@ class _Shim:
 class Started:
     pid: int
     error: str | None
+    timed_out: bool = False
 
 
 class Executor:
@@ -75,9 +105,16 @@ class Executor:
 
     async def start(
         self, job_id: int, argv: list[str], cwd: str, env: dict[str, str], who: Identity,
-        cgroup: str | None = None, cpuset: tuple[int, ...] = (),
+        cgroup: str | None = None, cpuset: tuple[int, ...] = (), *, deadline_s: float = 30.0,
+        on_pid: Callable[[int], None] | None = None,
     ) -> Started:
-        """Spawn the shim for a job and return the job's pid (or why it could not start)."""
+        """Spawn the shim for a job and return the job's pid (or why it could not start).
+
+        Everything between the shim's fork and the job's exec runs as the job's user, who can stop
+        or slow it: the launch has a deadline, and `on_pid` hears the pid as soon as the shim forks,
+        so a cancel can reach a child that never gets to exec. Past the deadline the child (or, before
+        a fork, the shim) is SIGKILLed and the result says why; the shim still records a status.
+        """
         job_dir = self.job_dir(job_id)
         os.makedirs(job_dir, mode=0o700, exist_ok=True)
         for stale in (SHIM, STATUS):  # a requeued job starts afresh
@@ -90,17 +127,42 @@ class Executor:
             "cgroup": cgroup, "cpuset": list(cpuset),
         }
         write_atomic(os.path.join(job_dir, LAUNCH), launch)
-        shim = await self._spawn_shim(job_dir)
+        shim = self._spawn_shim(job_dir)
         self._shims[job_id] = shim
-        line = await asyncio.get_running_loop().run_in_executor(None, _read_line_and_close, shim.stdout_fd)
-        if not line:
-            await shim.exited
-            self._shims.pop(job_id, None)
-            return Started(pid=0, error=f"job supervisor exited with status {shim.exited.result()} before starting it")
-        report = json.loads(line)
-        return Started(pid=int(report["pid"]), error=report.get("error"))
+        pid = 0
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**20)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(shim.stdout_fd, "rb", 0))
+        try:
+            async with asyncio.timeout(deadline_s):
+                first = await reader.readline()
+                if not first:  # left in _shims: wait() reaps it and reports the job FAILED
+                    await shim.exited
+                    return Started(pid=0, error=f"job supervisor exited with status {shim.exited.result()} "
+                                   "before starting it")
+                pid = int(json.loads(first)["pid"])
+                if on_pid is not None:
+                    on_pid(pid)
+                second = await reader.readline()
+        except TimeoutError:
+            self._kill_launch(shim, pid)
+            return Started(pid=pid, error=f"launch did not finish within {deadline_s:g} s (launch_timeout_s)",
+                           timed_out=True)
+        finally:
+            transport.close()
+        if not second:
+            return Started(pid=pid, error="job supervisor exited before the job started")
+        return Started(pid=pid, error=json.loads(second).get("error"))
 
-    async def _spawn_shim(self, job_dir: str) -> _Shim:
+    def _kill_launch(self, shim: _Shim, pid: int) -> None:
+        """A launch past its deadline: kill the job's child if the shim has forked it, else the shim."""
+        targets = [(os.killpg, pid), (os.kill, pid)] if pid else [(os.kill, shim.pid)]
+        for kill, target in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(target, signal.SIGKILL)
+
+    def _spawn_shim(self, job_dir: str) -> _Shim:
         """posix_spawn the shim in a new session, and watch its exit through a pidfd.
 
         Not asyncio's subprocess machinery: its transports kill the child when they are closed or
@@ -110,7 +172,9 @@ class Executor:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
             pid = os.posix_spawn(
-                self.python, [self.python, "-m", "gpusched.daemon.shim", job_dir], _shim_env(),
+                # -I: isolated, so no directory a user can write (the daemon's cwd, PYTHONPATH, user
+                # site) is on the root shim's sys.path; the shim is a stdlib-only script.
+                self.python, [self.python, "-I", shim_module.__file__, job_dir], _shim_env(),
                 file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                               (os.POSIX_SPAWN_DUP2, write_fd, 1)],
                 setsid=True,
@@ -165,41 +229,83 @@ class Executor:
         self._shims.clear()
 
     def collect(self, job_id: int) -> ExitStatus | None:
-        """The recorded exit status, if the job has ended."""
-        try:
-            with open(os.path.join(self.job_dir(job_id), STATUS)) as f:
-                data = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return ExitStatus(data.get("exit_code"), data.get("signal"), data.get("error"), data.get("ended_at"))
+        """The recorded exit status, if the job has ended (and its record is readable)."""
+        record, status = self._read_status(job_id)
+        return status if record is Record.OK else None
 
-    def adopted_pid(self, job_id: int) -> int | None:
-        """The job's pid as its shim recorded it (for a job the daemon lost track of while starting)."""
+    def _read_status(self, job_id: int) -> tuple[Record, ExitStatus | None]:
+        record, data = _read_record(os.path.join(self.job_dir(job_id), STATUS))
+        if data is None:
+            return record, None
         try:
-            with open(os.path.join(self.job_dir(job_id), SHIM)) as f:
-                pid = json.load(f).get("pid")
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return int(pid) if pid else None
+            status = ExitStatus(_opt_int(data.get("exit_code")), _opt_int(data.get("signal")),
+                                _opt_str(data.get("error")), _opt_float(data.get("ended_at")))
+        except (TypeError, ValueError):
+            return Record.TORN, None
+        return Record.OK, status
 
-    def is_alive(self, job_id: int) -> bool:
-        """Is the job's shim (or, failing that, the job) still the process we started?"""
+    def inspect(self, job_id: int) -> Trace:
+        """Read everything the shim leaves for a job; never raises on what it finds."""
+        job_dir = self.job_dir(job_id)
+        status_record, status = self._read_status(job_id)
+        shim_record, info = _read_record(os.path.join(job_dir, SHIM))
+        pid = job_alive = None
+        if info is not None:
+            try:
+                pid = _opt_int(info.get("pid"))
+                start = _opt_int(info.get("pid_start"))
+            except (TypeError, ValueError):
+                shim_record, pid, start = Record.TORN, None, None
+            job_alive = bool(pid and pid > 0 and start is not None and process_start_time(pid) == start)
+        return Trace(shim=shim_record, status=status_record, exit=status, pid=pid,
+                     locked=_lock_held(os.path.join(job_dir, LAUNCH)), job_alive=bool(job_alive))
+
+    def revoke(self, job_id: int) -> bool:
+        """Make sure no shim will ever run this launch; False when a shim holds it (it is running).
+
+        Unlinks launch.json under its lock: a shim that opened it earlier sees it gone once it gets
+        the lock, and starts nothing (see shim.py).
+        """
+        path = os.path.join(self.job_dir(job_id), LAUNCH)
         try:
-            with open(os.path.join(self.job_dir(job_id), SHIM)) as f:
-                info = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
             return False
-        for pid_key, start_key in (("shim_pid", "shim_start"), ("pid", "pid_start")):
-            pid, start = info.get(pid_key), info.get(start_key)
-            if pid and start is not None and process_start_time(int(pid)) == start:
-                return True
-        return False
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+        return True
+
+    def kill_job(self, job_id: int) -> None:
+        """SIGKILL what may be left of a job the daemon gives up on: the job's session and its shim.
+
+        Only processes proven to be this job's are touched: the job pid when its start time matches
+        shim.json, and the shim holding launch.json's lock (found in /proc/locks), with the session
+        it forked. A recorded pid that now belongs to someone else is left alone.
+        """
+        trace = self.inspect(job_id)
+        victims = {trace.pid} if trace.pid and trace.job_alive else set()
+        holder = lock_holder(os.path.join(self.job_dir(job_id), LAUNCH))
+        if holder is not None and holder > 1:
+            victims.update(session_leaders_under(holder))
+        for leader in victims:
+            self.signal(leader, signal.SIGKILL)
+        if holder is not None and holder > 1:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(holder, signal.SIGKILL)
 
     def signal(self, pid: int, sig: signal.Signals) -> bool:
         """Signal the job's whole process group (the job is a session leader). False if it is gone."""
         try:
             os.killpg(pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return False
         return True
 
@@ -226,15 +332,54 @@ def kill_recorded_jobs(state_dir: str) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def _read_line_and_close(fd: int) -> bytes:
-    """The shim's one report line (blocking; run in a thread). Empty if it died first."""
-    with os.fdopen(fd, "rb") as pipe:
-        return pipe.readline()
+def _read_record(path: str) -> tuple[Record, dict[str, Any] | None]:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        return Record.ABSENT, None
+    except (OSError, ValueError):  # unreadable, truncated, not UTF-8, not JSON
+        return Record.TORN, None
+    return (Record.OK, data) if isinstance(data, dict) else (Record.TORN, None)
+
+
+def _lock_held(path: str) -> bool:
+    """Does a (live) shim hold this launch file's lock?"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our own shared lock, if we got it
+    return False
+
+
+def _opt_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"not an integer: {value!r}")
+    return int(value)
+
+
+def _opt_float(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a number: {value!r}")
+    return float(value)
+
+
+def _opt_str(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"not a string: {value!r}")
 
 
 def _shim_env() -> dict[str, str]:
-    """The shim needs to import gpusched; nothing of the daemon's environment reaches the job."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    if "PYTHONPATH" in os.environ:
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return env
+    """The shim imports only the standard library; nothing of the daemon's environment reaches the job."""
+    return {"PATH": "/usr/bin:/bin"}

@@ -1,22 +1,101 @@
-"""What a job starts with: its identity, environment, CPU and memory limits, and GPU-memory readings.
+"""The launch path: what a job starts with, and starting it.
 
-Pure functions of the job, its allocation and the node, kept apart from the engine (which decides
-when a job starts and records what happens) so each can be read and tested on its own.
+`Launcher` starts a job's processes once the engine has committed it STARTING: the MPS control
+daemon of a share, the cgroup and CPU limits, then the shim, with a deadline. It decides nothing
+and records nothing: the engine calls it off the scheduling pass and records what comes back. The
+functions below it (identity, environment, limits, GPU-memory readings) are pure functions of the
+job, its allocation and the node, so each can be read and tested on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import pwd
+from collections.abc import Callable
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon.cgroups import CgroupManager, JobLimits
-from gpusched.daemon.doctor import session_of
-from gpusched.daemon.executor import Identity
+from gpusched.daemon.executor import Executor, Identity, Started
+from gpusched.daemon.procfs import session_of
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
-from gpusched.model import Allocation, Job
+from gpusched.gpu.mps import MpsManager
+from gpusched.model import ACTIVE_STATES, Allocation, Job
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+log = logging.getLogger("gpusched.launch")
+
+
+class LaunchFailed(Exception):
+    """The job could not be launched (a bad limit, a vanished user, ...); the message is its reason."""
+
+
+class Launcher:
+    """Starts jobs' processes; one per daemon. Blocking work runs off the loop, and the shim's part
+    (which runs as the job's user) has a deadline."""
+
+    def __init__(self, config: DaemonConfig, executor: Executor, cgroups: CgroupManager | None) -> None:
+        self.executor = executor
+        self.cgroups = cgroups
+        self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
+        self.in_flight: set[int] = set()  # jobs whose launch has begun and not yet returned
+
+    async def share_env(self, allocation: Allocation, share_modes: dict[str, str], uid: int) -> dict[str, str]:
+        """For a share on an `mps` device: start (or reuse) the user's control daemon there and give
+        the job its caps. One daemon per user and device, so several users' shares can be co-resident.
+
+        Raises GpuError (the control program failed, or cannot be run at all)."""
+        if allocation.share is None or len(allocation.devices) != 1:
+            return {}
+        uuid = allocation.devices[0].uuid
+        if share_modes.get(uuid) != "mps":
+            return {}
+        daemon = await asyncio.to_thread(self.mps.ensure, uuid, uid)
+        percent = max(1, min(100, round(allocation.share * 100)))
+        return daemon.client_env(percent, allocation.gpu_mem_mib)
+
+    async def start(self, job: Job, allocation: Allocation, added: dict[str, str], inventory: Inventory,
+                    deadline_s: float, on_pid: Callable[[int], None]) -> Started:
+        """Limits, then the shim. Raises LaunchFailed for anything about this job that stops it."""
+        self.in_flight.add(job.id)
+        try:
+            who = identity(job)
+            cgroup, cpuset = cpu_and_memory_limits(job, allocation, inventory, self.cgroups)
+            return await self.executor.start(job.id, job.spec.argv, job.spec.cwd, job_env(job, added), who,
+                                             cgroup, cpuset, deadline_s=deadline_s, on_pid=on_pid)
+        except asyncio.CancelledError:
+            raise  # daemon shutdown: the shim carries on, and recovery finds it
+        except Exception as exc:  # whatever it is, it is this job's: it fails, nothing else does
+            log.warning("job %d: launch failed: %s", job.id, describe(exc))
+            raise LaunchFailed(f"could not launch: {describe(exc)}") from exc
+        finally:
+            self.in_flight.discard(job.id)
+
+    def idle_mps(self, ended: Job, active: list[Job]) -> list[str]:
+        """Devices where `ended`'s user's MPS control daemon can quit now that its share is over."""
+        if ended.allocation is None or ended.allocation.share is None:
+            return []
+        servers = set(self.mps.servers())
+        return [uuid for uuid in ended.allocation.uuids if (uuid, ended.uid) in servers and not any(
+                j.id != ended.id and j.uid == ended.uid and j.state in ACTIVE_STATES and j.allocation is not None
+                and uuid in j.allocation.uuids for j in active)]
+
+    async def stop_mps(self, uuid: str, uid: int | None) -> None:
+        try:
+            await asyncio.to_thread(self.mps.stop, uuid, uid)
+        except GpuError as exc:
+            log.warning("stopping the MPS control daemon of %s (uid %s): %s", uuid, uid, exc.message)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one short line for a job's reason (a 4,300-digit number stays a reason, not a crash)."""
+    try:
+        text = str(exc) or type(exc).__name__
+    except ValueError:
+        text = type(exc).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def identity(job: Job) -> Identity:

@@ -316,18 +316,29 @@ def cli(config_path: str | None, sim: str | None, socket_path: str | None, state
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     overrides = {"sim": sim, "socket": socket_path, "state_dir": state_dir}
+    if config_path is not None:
+        config_path = os.path.abspath(config_path)
     try:
-        config = load_config(config_path, overrides)
+        config = absolute_paths(load_config(config_path, overrides))
     except ConfigError as exc:
         click.echo(f"gpuschedd: {exc}", err=True)
         sys.exit(2)
-    loader = (lambda: load_config(config_path, overrides)) if config_path is not None else None
+    loader = (lambda: absolute_paths(load_config(config_path, overrides))) if config_path is not None else None
+    # Nothing of the directory we were started from may matter later (a job's shim must not find a
+    # planted module there, and a busy directory must not be held): paths are absolute from here on.
+    os.chdir("/")
     try:
         code = _run_loop(config, loader)
     except StartupError as exc:
         click.echo(f"gpuschedd: cannot start: {exc}", err=True)
         sys.exit(1)
     sys.exit(code)
+
+
+def absolute_paths(config: DaemonConfig) -> DaemonConfig:
+    """Resolve the relative paths a config or command line gave against the starting directory."""
+    paths = {"socket": config.socket, "state_dir": config.state_dir, "job_mapping_dir": config.job_mapping_dir}
+    return config.model_copy(update={k: os.path.abspath(v) for k, v in paths.items() if v is not None})
 
 
 def _run_loop(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None) -> int:

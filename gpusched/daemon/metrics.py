@@ -1,9 +1,10 @@
 """Prometheus metrics: off unless `metrics_address` is set; see docs/metrics.md for every series.
 
 Two halves:
-- `Metrics` holds what can only be counted as it happens (queue waits, pass times, XIDs, MIG
-  reconfigurations). The engine owns one (`engine.metrics`) and calls its hooks; they are cheap and
-  always on, so the engine never asks whether metrics are being served.
+- `Metrics` (in daemon/counters.py, so the engine need not import this module) holds what can only
+  be counted as it happens (queue waits, pass times, XIDs, MIG reconfigurations). The engine owns one
+  (`engine.metrics`) and calls its hooks; they are cheap and always on, so the engine never asks
+  whether metrics are being served.
 - `EngineCollector` reads everything else from the engine's state at scrape time (jobs by state,
   per-user service and share, per-device allocation and health), so nothing can drift out of step.
 
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -33,58 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpusched.metrics")
 
-# Queue waits run from a second to days; scheduler passes from well under a millisecond to seconds.
-QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
-                      28800.0, 86400.0, 172800.0, float("inf"))
-PASS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
-
 UNFINISHED_STATES: tuple[JobState, ...] = tuple(s for s in JobState if s not in TERMINAL_STATES)
-
-
-class Metrics:
-    """Counters and histograms fed by the engine as things happen (thread-safe)."""
-
-    def __init__(self) -> None:
-        # registry=None: these are not registered globally; EngineCollector yields them per daemon.
-        self.queue_wait = Histogram(
-            "gpusched_queue_wait_seconds", "Time jobs waited PENDING before they started (observed at start).",
-            buckets=QUEUE_WAIT_BUCKETS, registry=None,
-        )
-        self.scheduler_pass = Histogram(
-            "gpusched_scheduler_pass_seconds", "Wall time of one scheduling pass (plan and apply).",
-            buckets=PASS_BUCKETS, registry=None,
-        )
-        self.mig_reconfigurations = Counter(
-            "gpusched_mig_reconfigurations", "MIG instances created or destroyed by the daemon, per GPU.",
-            ["gpu"], registry=None,
-        )
-        self.xids = Counter("gpusched_xid", "XID errors reported by the driver, per GPU and XID.",
-                            ["gpu", "xid"], registry=None)
-
-    def observe_wait(self, seconds: float) -> None:
-        """A job started after waiting `seconds` (see `pending_since`)."""
-        self.queue_wait.observe(max(0.0, seconds))
-
-    def observe_pass(self, seconds: float) -> None:
-        self.scheduler_pass.observe(max(0.0, seconds))
-
-    def record_xid(self, gpu: int, xid: int) -> None:
-        self.xids.labels(gpu=str(gpu), xid=str(xid)).inc()
-
-    def record_mig_reconfiguration(self, gpu: int) -> None:
-        self.mig_reconfigurations.labels(gpu=str(gpu)).inc()
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in (self.queue_wait, self.scheduler_pass, self.mig_reconfigurations, self.xids):
-            yield from metric.collect()
-
-
-def pending_since(job: Job) -> float:
-    """When the job last became PENDING (submission, release from hold or requeue): its wait starts there."""
-    for transition in reversed(job.history):
-        if transition.state is JobState.PENDING:
-            return transition.at
-    return job.submitted_at
 
 
 @dataclass(frozen=True, slots=True)

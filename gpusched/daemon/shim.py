@@ -1,15 +1,26 @@
-"""The per-job supervisor: `python -m gpusched.daemon.shim JOB_DIR`.
+"""The per-job supervisor: `python -I .../gpusched/daemon/shim.py JOB_DIR`.
 
 The daemon starts one shim per job in a session of its own, so the job outlives a daemon crash or
-`systemctl restart`. The shim forks the job (in a new session, as the submitting user), tells the
-daemon the job's pid on stdout, waits for it, and writes the exit status durably to JOB_DIR, where
-the daemon collects it whenever it is next running. Only the standard library is used: the shim
-starts once per job, so it must be cheap.
+`systemctl restart`. The shim forks the job (in a new session, as the submitting user), records and
+reports the job's pid at once, reports again once the job has exec'd (or why it could not), waits
+for it, kills whatever the job left behind in its session, and writes the exit status durably to
+JOB_DIR, where the daemon collects it whenever it is next running.
+
+Only the standard library is used, and the daemon runs this file as a script under `-I`: nothing
+from the environment or any working directory is on `sys.path` (a planted `json.py` must not run
+as root), and the shim starts once per job, so it must be cheap.
+
+The shim holds an exclusive `flock` on its `launch.json` for its whole life. That lock is how a
+restarted daemon tells "a shim is (still) running this job" from "no shim will ever run it": locks
+die with their process, so pid reuse cannot fool it. A daemon that finds the lock free and no
+record of a launch unlinks `launch.json` under the lock, and a shim that gets the lock afterwards
+sees the file gone and starts nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -20,6 +31,10 @@ from typing import Any
 LAUNCH = "launch.json"
 SHIM = "shim.json"
 STATUS = "status.json"
+
+# Exit codes of the shim itself (the job's own status is in status.json).
+EXIT_REVOKED = 3  # the launch was revoked by a restarted daemon, or another shim holds it
+CLAIM_TRIES = 100  # x 10 ms
 
 
 def write_atomic(path: str, data: dict[str, Any]) -> None:
@@ -39,18 +54,44 @@ def write_atomic(path: str, data: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
-def process_start_time(pid: int) -> int | None:
-    """Kernel start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone or a zombie."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields 3.. of /proc/PID/stat (state first); None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name may contain spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Kernel start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone or a zombie."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
         return None  # exited, not yet reaped: as good as gone
     return int(fields[19])
+
+
+def kill_session(leader: int) -> int:
+    """SIGKILL what is left of a job: its process group, and every process still in its session.
+
+    Called while the job's leader is an unreaped zombie, so neither its pid nor its process-group
+    or session id can have been reused. Returns how many processes were signalled besides the group.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == leader:
+            continue
+        fields = _stat_fields(int(name))
+        # field 6 (index 3 here) is the session id; a process that moved to its own group stays in it
+        if fields is not None and len(fields) > 3 and fields[3] == str(leader).encode():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(name), signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def _child(launch: dict[str, Any], err_w: int) -> None:
@@ -94,9 +135,42 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
     os._exit(127)
 
 
+def _claim(job_dir: str) -> tuple[int, dict[str, Any]] | None:
+    """Open and lock launch.json; None when the launch was revoked or another shim holds it."""
+    try:
+        fd = os.open(os.path.join(job_dir, LAUNCH), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    # The daemon's liveness probe holds a shared lock for microseconds: wait that out, but never
+    # queue behind another shim, which would hold it for its job's whole life.
+    for _ in range(CLAIM_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.01)
+    else:
+        os.close(fd)
+        return None
+    if os.fstat(fd).st_nlink == 0:  # unlinked by a restarted daemon before we got the lock
+        os.close(fd)
+        return None
+    with os.fdopen(os.dup(fd), "rb") as f:
+        launch = json.loads(f.read())
+    return fd, launch
+
+
+def _report(message: dict[str, Any]) -> None:
+    # If the daemon went away before reading, it finds shim.json / status.json on its next start.
+    with contextlib.suppress(OSError):
+        print(json.dumps(message), flush=True)
+
+
 def run(job_dir: str) -> int:
-    with open(os.path.join(job_dir, LAUNCH)) as f:
-        launch = json.load(f)
+    claimed = _claim(job_dir)
+    if claimed is None:
+        return EXIT_REVOKED
+    lock_fd, launch = claimed  # held (CLOEXEC: the job never inherits it past exec) until we exit
     # The daemon signals the job's process group, never the shim; the shim must live to record.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -104,21 +178,27 @@ def run(job_dir: str) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(err_r)
+        os.close(lock_fd)
         _child(launch, err_w)
     os.close(err_w)
-    error = b""
-    while chunk := os.read(err_r, 4096):  # EOF at exec (CLOEXEC) or when the child dies
-        error += chunk
-    os.close(err_r)
+    # Record and report the pid before the child execs: a child stopped (or slowed) between its
+    # setuid and its exec is the job's user's to control, and the daemon must be able to kill it.
     write_atomic(os.path.join(job_dir, SHIM), {
         "shim_pid": os.getpid(), "shim_start": process_start_time(os.getpid()),
         "pid": pid, "pid_start": process_start_time(pid), "started_at": time.time(),
     })
-    # If the daemon went away before reading, it finds shim.json on its next start instead.
-    with contextlib.suppress(OSError):
-        print(json.dumps({"pid": pid, "error": error.decode(errors="replace") or None}), flush=True)
+    _report({"pid": pid})
+    error = b""
+    while chunk := os.read(err_r, 4096):  # EOF at exec (CLOEXEC) or when the child dies
+        error += chunk
+    os.close(err_r)
+    _report({"exec": not error, "error": error.decode(errors="replace") or None})
     null_fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null_fd, 1)
+    # Wait without reaping, so the leader's pid (= its group and session id) stays reserved while
+    # we kill what it left behind: nothing of a job outlives it onto devices given to others.
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    kill_session(pid)
     _, status = os.waitpid(pid, 0)
     exit_code = os.waitstatus_to_exitcode(status)
     write_atomic(os.path.join(job_dir, STATUS), {
@@ -129,6 +209,7 @@ def run(job_dir: str) -> int:
         "error": error.decode(errors="replace") or None,
         "ended_at": time.time(),
     })
+    os.close(lock_fd)
     return 0
 
 

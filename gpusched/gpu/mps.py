@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -111,7 +112,7 @@ class MpsDaemon:
     def _run(self, args: list[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
-                [self.control_binary, *args],
+                [*self._argv(), *args],
                 input=stdin,
                 capture_output=True,
                 text=True,
@@ -126,6 +127,18 @@ class MpsDaemon:
             ) from None
         except subprocess.TimeoutExpired:
             raise self._error(f"`{' '.join(args) or stdin}` timed out after {self.timeout_s:g}s") from None
+        except OSError as exc:  # not executable, a directory, ...: the share fails, the daemon goes on
+            raise GpuError(
+                f"MPS control program {self.control_binary!r} cannot be run: {exc.strerror or exc}",
+                hint="check the file's permissions, or set the control binary path in the config",
+            ) from None
+
+    def _argv(self) -> list[str]:
+        """A Python control program (the simulator) runs under this interpreter, so it needs no exec
+        bit (an install may drop it) and, isolated (-I), nothing from the caller's paths."""
+        if self.control_binary.endswith(".py"):
+            return [sys.executable, "-I", self.control_binary]
+        return [self.control_binary]
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -48,3 +48,12 @@ def test_bench_peers_quick() -> None:
     for line in lines[1:]:
         assert "skipped" in line or line.split()[1].replace(".", "", 1).isdigit(), line
     assert "ratios" in out or "SKIPPED" in out
+
+
+@pytest.mark.timeout(120)
+def test_crash_storm_quick() -> None:
+    """Two seeds of submissions with kill -9 restarts; the script itself checks exactly-once storage."""
+    out = run_quick("crash_storm.py")
+    assert out.rstrip().endswith("PASS"), out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert {row[0] for row in rows} == {"1", "2"}
