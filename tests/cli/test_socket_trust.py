@@ -1,4 +1,4 @@
-"""The client sends nothing to a socket another user could have planted (ARCHITECTURE.md §6).
+"""The client sends nothing to a socket another user could have planted (docs/security.md, "The client").
 
 With no system daemon, `gpusched` falls back to /tmp/gpusched-$UID/gpusched.sock, a path any user
 can create first. A fake daemon there would receive a submit carrying the whole environment. The
