@@ -143,6 +143,10 @@ class DaemonConfig(BaseModel):
     max_pending_per_user: int = Field(
         default=50000, ge=1, description="pending and held jobs one user may have; more submits are refused"
     )
+    max_pending_bytes_per_user: int = Field(
+        default=256 * 2**20, ge=0, description="bytes of argv, environment, cwd and name (as the 256 KiB per-job cap "
+        "counts them) one user's pending and held jobs may take together; the daemon holds these jobs in memory"
+    )
     submit_rate_per_user: float = Field(
         default=200.0, gt=0, description="sustained submits per second one user may make (bursts up to 10x "
         "this are allowed); root is exempt"

@@ -48,3 +48,9 @@ def test_bench_peers_quick() -> None:
     for line in lines[1:]:
         assert "skipped" in line or line.split()[1].replace(".", "", 1).isdigit(), line
     assert "ratios" in out or "SKIPPED" in out
+
+
+@pytest.mark.timeout(120)
+def test_spec_memory_quick() -> None:
+    out = run_quick("spec_memory.py")
+    assert "one value with an astral character" in out and "worst case per held job" in out

@@ -113,6 +113,25 @@ def test_finished_jobs_are_pruned_by_count_and_age_but_dependencies_are_kept(
         assert [j.id for j in c.call(QueueRequest(all=True), QueueResult).jobs] == [target, waiter]
 
 
+def test_one_users_pending_jobs_are_capped_in_bytes(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """50,000 pending jobs of ~1 MiB of heap each (bench/spec_memory.py) would be ~50 GiB: the bytes a
+    user's waiting jobs take are capped too (max_pending_bytes_per_user); root is exempt."""
+    spec = _spec("true", env={"PATH": "/usr/bin:/bin", "BIG": "x" * 100_000})
+    size = spec_bytes(spec)
+    handle = daemon_factory(max_pending_bytes_per_user=3 * size)
+    message = {"op": "submit", "spec": spec.model_dump(mode="json"), "hold": True}
+    replies = as_user(OTHER_UID, handle.socket, *[message] * 4)
+    assert [r["ok"] for r in replies] == [True, True, True, False]
+    assert replies[3]["error"]["code"] == "limit_exceeded"
+    assert f"max_pending_bytes_per_user = {3 * size}" in replies[3]["error"]["message"]
+    with handle.client() as root:
+        root.call(CancelRequest(job_ids=[replies[0]["result"]["job_id"]]), CancelResult)  # frees its bytes
+        assert root.raw_call(message)["ok"]  # root is exempt
+    assert as_user(OTHER_UID, handle.socket, message)[0]["ok"]
+    handle.restart()  # the count is rebuilt from the store on start
+    assert as_user(OTHER_UID, handle.socket, message)[0]["error"]["code"] == "limit_exceeded"
+
+
 # ---- item 4: cheap refusals, deduplicated ids, reads off the loop -----------------------------------
 
 
