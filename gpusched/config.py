@@ -156,7 +156,7 @@ class DaemonConfig(BaseModel):
         "long after they ended; `queue --all`, `show` and `stats` see what is kept"
     )
     max_finished_jobs: int = Field(
-        default=100_000, ge=0, description="keep at most this many finished jobs, the newest; older ones are "
+        default=10_000, ge=0, description="keep at most this many finished jobs, the newest; older ones are "
         "deleted even within finished_job_retention_s"
     )
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")

@@ -431,7 +431,8 @@ def _wait_for(client: Client, job_id: int) -> Job:
 
 
 @cli.command()
-@click.option("--all", "show_all", is_flag=True, help="include finished jobs")
+@click.option("--all", "show_all", is_flag=True,
+              help="include finished jobs (those the daemon still keeps: see finished_job_retention_s)")
 @click.option("--user", metavar="USER", help="only this user's jobs")
 @click.option("--order", type=click.Choice(["id", "fairness"]), default="id", show_default=True,
               help="fairness: pending jobs in the order the scheduler would start them")
