@@ -170,26 +170,6 @@ class StoreReader:
         ]
         return out if after_id is not None else out[::-1]
 
-    def page(self, after_id: int, limit: int, user: str | None = None) -> list[Job]:
-        """Up to `limit` jobs with ids above `after_id`, in id order (any state)."""
-        where, args = ("AND user = ?", (user,)) if user is not None else ("", ())
-        return list(self._select(f"WHERE id > ? {where} ORDER BY id LIMIT ?", (after_id, *args, limit)))
-
-    def recent(self, limit: int, user: str | None = None, finished: bool = False) -> list[Job]:
-        """The newest `limit` jobs (only ended ones with `finished`), oldest first."""
-        clauses: list[str] = []
-        args: list[Any] = []
-        if user is not None:
-            clauses.append("user = ?")
-            args.append(user)
-        if finished:
-            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
-            args.extend(s.value for s in TERMINAL_STATES)
-        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
-        rows = list(self._select(f"{where} ORDER BY id DESC LIMIT ?", (*args, limit)))
-        rows.reverse()
-        return rows
-
     def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
         cur = self._db.execute(
             f"SELECT id, uid, gid, user, {'spec' if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
