@@ -184,7 +184,7 @@ async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
 
 
 async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
-    job = _find(ctx, req.job_id)
+    job = _ref(ctx, req.job_id)  # the owner is checked without loading the spec
     _require_owner(ctx, job, "read the log of")
     path = ctx.engine.executor.log_path(job.id)
     loop = asyncio.get_running_loop()
