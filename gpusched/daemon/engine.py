@@ -174,8 +174,11 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 a cancel racing wait_for's own timeout can be
+            # lost, leaving stop() waiting on this task for ever (seen under load in the test suite).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_s)
+                async with asyncio.timeout(self.config.tick_s):
+                    await self._wake.wait()
             ticked = not self._wake.is_set()
             self._wake.clear()
             try:
