@@ -176,12 +176,32 @@ class DaemonConfig(BaseModel):
         "killed and ends FAILED (its user controls that time)"
     )
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
+    client_idle_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400, description="close a connection that sends no request for this long after "
+        "hello (before hello the limit is 10 s); `top` streams and long polls are not idle"
+    )
+    client_read_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="a frame must arrive whole within this long of its first byte, "
+        "and a client must take each reply within it, or the connection is closed"
+    )
     max_pending_per_user: int = Field(
         default=50000, ge=1, description="pending and held jobs one user may have; more submits are refused"
+    )
+    max_pending_bytes_per_user: int = Field(
+        default=256 * 2**20, ge=0, description="bytes of argv, environment, cwd and name (as the 256 KiB per-job cap "
+        "counts them) one user's pending and held jobs may take together; the daemon holds these jobs in memory"
     )
     submit_rate_per_user: float = Field(
         default=200.0, gt=0, description="sustained submits per second one user may make (bursts up to 10x "
         "this are allowed); root is exempt"
+    )
+    finished_job_retention_s: float = Field(
+        default=7 * 86400.0, ge=0, description="finished jobs (their records, histories and logs) are deleted this "
+        "long after they ended; `queue --all`, `show` and `stats` see what is kept"
+    )
+    max_finished_jobs: int = Field(
+        default=10_000, ge=0, description="keep at most this many finished jobs, the newest; older ones are "
+        "deleted even within finished_job_retention_s"
     )
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
     fairness: FairnessSection = Field(default_factory=FairnessSection, description="fair-share weights and quanta")
@@ -213,6 +233,10 @@ class DaemonConfig(BaseModel):
     metrics_address: str | None = Field(
         default=None,
         description="serve Prometheus metrics over HTTP at HOST:PORT, e.g. \"127.0.0.1:9490\"; unset = off",
+    )
+    metrics_max_connections: int = Field(
+        default=32, ge=1, le=1024, description="concurrent connections to the metrics endpoint; more are closed at "
+        "once, so a flood there cannot take the descriptors the control socket needs"
     )
 
     @field_validator("gpus")

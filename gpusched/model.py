@@ -69,7 +69,21 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 # Job ids are SQLite INTEGER primary keys: anything outside int64 can never name a job.
 JobId = Annotated[int, Field(ge=1, le=2**63 - 1)]
-MAX_SPEC_BYTES = 256 * 1024  # argv + environment: a show or wait reply must still fit in one frame
+MAX_SPEC_BYTES = 256 * 1024  # argv + environment + cwd + name: a show or wait reply must still fit in one frame
+# Each string is charged its UTF-8 bytes plus a terminating NUL and a pointer, as execve(2) charges
+# ARG_MAX: an argv of 100,000 empty strings is not free to hold in memory, so it must not count as 0.
+SPEC_STRING_OVERHEAD = 9
+MAX_DISPLAY_NAME = 64  # characters of a job's name in listings (`queue`, `top`); the full name is in `show`
+
+
+def utf8_len(text: str) -> int:
+    """Bytes `text` takes on the wire and in the database (lone surrogates count as 3, as UTF-8 would)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def bounded(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, with an ellipsis when something was cut."""
+    return text if len(text) <= limit else text[: max(0, limit - 1)] + "\u2026"
 
 
 class _Frozen(BaseModel):
@@ -144,11 +158,22 @@ class JobSpec(_Frozen):
 
     @model_validator(mode="after")
     def _bounded(self) -> JobSpec:
-        size = sum(len(a.encode()) for a in self.argv) + sum(len(k) + len(v) for k, v in self.env.items())
+        size = spec_bytes(self)
         if size > MAX_SPEC_BYTES:
-            raise ValueError(f"argv and environment take {size} bytes; at most {MAX_SPEC_BYTES} are accepted "
-                             "(submit with --export NONE or fewer variables)")
+            raise ValueError(f"argv, environment, cwd and name take {size} bytes; at most {MAX_SPEC_BYTES} are "
+                             "accepted (submit with --export NONE or fewer variables)")
         return self
+
+
+def spec_bytes(spec: JobSpec) -> int:
+    """What a spec costs against MAX_SPEC_BYTES: UTF-8 bytes of every string, plus SPEC_STRING_OVERHEAD each.
+
+    Bytes, not characters: 255k four-byte characters are 1 MB on the wire and in memory.
+    """
+    strings = [*spec.argv, spec.cwd, *(f"{k}={v}" for k, v in spec.env.items())]
+    if spec.name is not None:
+        strings.append(spec.name)
+    return sum(utf8_len(s) + SPEC_STRING_OVERHEAD for s in strings)
 
 
 class AllocatedDevice(_Frozen):
@@ -205,7 +230,13 @@ class Job(BaseModel):
 
     @property
     def display_name(self) -> str:
-        return self.spec.name or (self.spec.argv[0].rsplit("/", 1)[-1])
+        return display_name(self.spec)
+
+
+def display_name(spec: JobSpec) -> str:
+    """The name listings show: `--name`, else the program's base name, at most MAX_DISPLAY_NAME characters
+    (argv[0] may be 256 KiB long; five such rows must not break `queue` for everyone)."""
+    return bounded(spec.name or spec.argv[0].rsplit("/", 1)[-1], MAX_DISPLAY_NAME)
 
 
 def describe_request(request: WholeRequest | MigRequest | ShareRequest) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from gpusched.protocol import (
 )
 
 T = TypeVar("T", bound=BaseModel)
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class DaemonUnavailable(Exception):
@@ -53,6 +55,40 @@ def resolve_socket(explicit: str | None, env: Mapping[str, str] | None = None, u
     return candidates[0]
 
 
+def _trusted(uid: int) -> bool:
+    return uid in (0, os.getuid())
+
+
+def _untrusted(path: str, what: str, uid: int) -> DaemonUnavailable:
+    return DaemonUnavailable(
+        f"refusing to use {path}: {what} belongs to uid {uid}, not to root or you; nothing was sent",
+        "another user may have planted it to read your requests (they carry your environment); remove it, "
+        "or name your daemon's socket with --socket",
+    )
+
+
+def check_socket_owner(path: str) -> None:
+    """Refuse a socket, or a directory holding it, owned by anyone but root or the caller (before any
+    byte is sent: a submit carries the whole environment, tokens included)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # missing or unreachable: connect() says so
+    if not _trusted(info.st_uid):
+        raise _untrusted(path, "the socket", info.st_uid)
+    directory = os.path.dirname(os.path.realpath(path))
+    with_dir = os.stat(directory)
+    if not _trusted(with_dir.st_uid):
+        raise _untrusted(path, f"its directory {directory}", with_dir.st_uid)
+
+
+def check_daemon_identity(sock: socket.socket, path: str) -> None:
+    """The process listening must run as root or as the caller (SO_PEERCRED), whoever owns the file."""
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if not _trusted(uid):
+        raise _untrusted(path, "the process listening on it", uid)
+
+
 class Client:
     """One connection to the daemon. Use as a context manager."""
 
@@ -70,10 +106,12 @@ class Client:
         self.close()
 
     def connect(self) -> HelloResult:
+        check_socket_owner(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.path)
+            check_daemon_identity(sock, self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             state = "does not exist" if isinstance(exc, FileNotFoundError) else "refuses connections (stale socket)"
@@ -82,6 +120,9 @@ class Client:
                 "start it with `sudo systemctl start gpusched`, or run your own on simulated GPUs: "
                 f"`gpuschedd --sim H100-80GB:2 --socket {self.path}`",
             ) from None
+        except DaemonUnavailable:
+            sock.close()
+            raise
         except PermissionError:
             sock.close()
             raise DaemonUnavailable(

@@ -143,10 +143,16 @@ def job_exit_status(job: Job) -> int:
     return EXIT_OK if job.state is JobState.COMPLETED else EXIT_JOB_NOT_RUN
 
 
+def _echo(message: str, err: bool = False) -> None:
+    """Print for people: every character a terminal would act on is escaped (render.printable), since
+    names, commands, reasons and even error messages can carry other users' text."""
+    click.echo(render.printable(message), err=err)
+
+
 def _fail(message: str, hint: str, code: int) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    _echo(f"error: {message}", err=True)
     if hint:
-        click.echo(f"hint: {hint}", err=True)
+        _echo(f"hint: {hint}", err=True)
     sys.exit(code)
 
 
@@ -186,7 +192,7 @@ def _client(ctx: click.Context, timeout: float = 60.0) -> Iterator[Client]:
 def _print_json(data: Any, compact: bool = False) -> None:
     if isinstance(data, BaseModel):
         data = data.model_dump(mode="json")
-    click.echo(json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2))
+    _echo(json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2))
 
 
 def _write_verbatim(text: str) -> None:
@@ -390,12 +396,12 @@ def submit(
             if as_json:
                 _print_json({"job_id": submitted.job_id, "state": submitted.state.value}, compact=True)
             else:
-                click.echo(f"Submitted job {submitted.job_id}")
+                _echo(f"Submitted job {submitted.job_id}")
             if not wait:
                 return
             job = _wait_for(client, submitted.job_id)
         except KeyboardInterrupt:
-            click.echo(
+            _echo(
                 f"\nStopped waiting; job {submitted.job_id} keeps running "
                 f"(`gpusched cancel {submitted.job_id}` to stop it)",
                 err=True,
@@ -409,7 +415,7 @@ def submit(
             compact=True,
         )
     else:
-        click.echo(render.final_state_text(job), err=True)
+        _echo(render.final_state_text(job), err=True)
     sys.exit(status)
 
 
@@ -425,7 +431,8 @@ def _wait_for(client: Client, job_id: int) -> Job:
 
 
 @cli.command()
-@click.option("--all", "show_all", is_flag=True, help="include finished jobs")
+@click.option("--all", "show_all", is_flag=True,
+              help="include finished jobs (those the daemon still keeps: see finished_job_retention_s)")
 @click.option("--user", metavar="USER", help="only this user's jobs")
 @click.option("--order", type=click.Choice(["id", "fairness"]), default="id", show_default=True,
               help="fairness: pending jobs in the order the scheduler would start them")
@@ -444,9 +451,9 @@ def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limi
     if as_json:
         _print_json(result)
     else:
-        click.echo(render.queue_table(result.jobs, time.time(), labels))
+        _echo(render.queue_table(result.jobs, time.time(), labels))
         if result.total > len(result.jobs):
-            click.echo(f"... {result.total - len(result.jobs)} more not shown (narrow with --user, or --limit up "
+            _echo(f"... {result.total - len(result.jobs)} more not shown (narrow with --user, or --limit up "
                        "to 3000)")
 
 
@@ -461,7 +468,7 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
     if as_json:
         _print_json(result)
     else:
-        click.echo(render.show_text(result, time.time()))
+        _echo(render.show_text(result, time.time()))
 
 
 @cli.command()
@@ -494,13 +501,13 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
     """Cancel jobs: pending ones leave the queue, running ones are stopped."""
     with _client(ctx) as client:
         result = client.call(CancelRequest(job_ids=list(job_ids)), CancelResult)
-    click.echo(render.cancel_text(result))
+    _echo(render.cancel_text(result))
 
 
 def _job_control(ctx: click.Context, request: BaseModel, done: str) -> None:
     with _client(ctx) as client:
         result = client.call(request, JobsChanged)
-    click.echo(render.changed_text(done, result))
+    _echo(render.changed_text(done, result))
 
 
 _IDS = click.argument("job_ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID [ID]...")
@@ -553,7 +560,7 @@ def gpus(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _print_json(result)
     else:
-        click.echo(render.gpus_text(result))
+        _echo(render.gpus_text(result))
 
 
 @gpus.command("drain")
@@ -564,9 +571,9 @@ def gpus_drain(ctx: click.Context, device: str, reason: str) -> None:
     """Admin: no new job starts on DEVICE (GPU index, GPU- or MIG- UUID); running jobs continue."""
     with _client(ctx) as client:
         result = client.call(GpuDrainRequest(device=device, reason=reason), DevicesChanged)
-    click.echo(result.message)
+    _echo(result.message)
     for uuid in result.devices:
-        click.echo(f"  {uuid}")
+        _echo(f"  {uuid}")
 
 
 @gpus.command("resume")
@@ -576,9 +583,9 @@ def gpus_resume(ctx: click.Context, device: str) -> None:
     """Admin: put a drained DEVICE (GPU index, GPU- or MIG- UUID) back in service."""
     with _client(ctx) as client:
         result = client.call(GpuResumeRequest(device=device), DevicesChanged)
-    click.echo(result.message)
+    _echo(result.message)
     for uuid in result.devices:
-        click.echo(f"  {uuid}")
+        _echo(f"  {uuid}")
 
 
 @cli.group()
@@ -605,12 +612,12 @@ def mig_apply(ctx: click.Context, gpu: int, layout: str, dry_run: bool, as_json:
         _print_json(result)
         return
     verb = "would" if dry_run else "did"
-    click.echo(f"GPU {gpu}: keep {len(result.keep)}, destroy {len(result.destroy)}, create {len(result.create)}"
+    _echo(f"GPU {gpu}: keep {len(result.keep)}, destroy {len(result.destroy)}, create {len(result.create)}"
                f" ({'dry run' if dry_run else 'applied'})")
     for uuid in result.destroy:
-        click.echo(f"  {verb} destroy {uuid}")
+        _echo(f"  {verb} destroy {uuid}")
     for planned in result.create:
-        click.echo(f"  {verb} create {planned.profile} at memory slice {planned.start}")
+        _echo(f"  {verb} create {planned.profile} at memory slice {planned.start}")
 
 
 @cli.group()
@@ -629,7 +636,7 @@ def sim_inject_xid(ctx: click.Context, gpu: int, xid: int, gi: int | None, ci: i
     """Admin: deliver XID on simulated GPU as the driver would (13, 31, 43, 45, 68, 109 are app errors)."""
     with _client(ctx) as client:
         result = client.call(SimInjectXidRequest(gpu=gpu, xid=xid, gi=gi, ci=ci, lost=lost), SimResult)
-    click.echo(result.message)
+    _echo(result.message)
 
 
 @cli.command()
@@ -648,7 +655,7 @@ def top(ctx: click.Context, once: bool, width: int) -> None:
     with _client(ctx, timeout=30.0) as client:
         if once:
             snapshot = top_view.first_snapshot(client)
-            click.echo("\n".join(top_view.render_top(snapshot, top_view.View(), width=width)))
+            _echo("\n".join(top_view.render_top(snapshot, top_view.View(), width=width)))
             return
         top_view.run_live(client)
 
@@ -669,7 +676,7 @@ def stats(ctx: click.Context, since: str, as_json: bool) -> None:
     if as_json:
         _print_json(result)
     else:
-        click.echo(render.stats_text(result))
+        _echo(render.stats_text(result))
 
 
 @cli.command()
@@ -685,7 +692,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _print_json(result)
     else:
-        click.echo(render.doctor_text(result))
+        _echo(render.doctor_text(result))
     if any(c.status == "FAIL" for c in result.checks):
         ctx.exit(EXIT_ERROR)
 
@@ -706,9 +713,9 @@ def admin_reload(ctx: click.Context) -> None:
     """
     with _client(ctx) as client:
         result = client.call(ReloadRequest(), ReloadResult)
-    click.echo("reloaded: " + (", ".join(result.changed) if result.changed else "no changes"))
+    _echo("reloaded: " + (", ".join(result.changed) if result.changed else "no changes"))
     if result.restart_needed:
-        click.echo("needs a restart to take effect: " + ", ".join(result.restart_needed))
+        _echo("needs a restart to take effect: " + ", ".join(result.restart_needed))
 
 
 @cli.command()
@@ -717,7 +724,7 @@ def shutdown(ctx: click.Context) -> None:
     """Ask the daemon to stop (admin only). Running jobs are handled by its shutdown policy."""
     with _client(ctx) as client:
         result = client.call(ShutdownRequest(), ShutdownResult)
-    click.echo("gpuschedd is stopping" if result.stopping else "gpuschedd did not agree to stop")
+    _echo("gpuschedd is stopping" if result.stopping else "gpuschedd did not agree to stop")
 
 
 @cli.command()
@@ -760,29 +767,29 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
                                    policies=runner.resolve_policies(policy), load=load, users=users, seed=seed,
                                    times_from=times_from)
     except TraceError as exc:
-        click.echo(f"gpusched: bad trace:\n{exc}", err=True)
+        _echo(f"gpusched: bad trace:\n{exc}", err=True)
         ctx.exit(EXIT_USAGE)
     except (ReplayConfigError, ValueError) as exc:
-        click.echo(f"gpusched: {exc}", err=True)
+        _echo(f"gpusched: {exc}", err=True)
         ctx.exit(EXIT_USAGE)
     except OSError as exc:
-        click.echo(f"gpusched: {exc.filename or trace}: {exc.strerror}", err=True)
+        _echo(f"gpusched: {exc.filename or trace}: {exc.strerror}", err=True)
         ctx.exit(EXIT_USAGE)
     if as_json:
         for summary in report.summaries:
-            click.echo(json.dumps(summary))
+            _echo(json.dumps(summary))
     else:
-        click.echo(runner.render_table(report))
+        _echo(runner.render_table(report))
     if plot_path is not None:
         from gpusched.replay.plot import PlotUnavailable, write_plot
 
         try:
             write_plot(report, plot_path)
         except PlotUnavailable as exc:
-            click.echo(f"gpusched: {exc}", err=True)
+            _echo(f"gpusched: {exc}", err=True)
             ctx.exit(EXIT_ERROR)
         if not as_json:
-            click.echo(f"plot written to {plot_path}")
+            _echo(f"plot written to {plot_path}")
 
 
 def main() -> None:

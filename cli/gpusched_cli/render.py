@@ -27,6 +27,27 @@ from gpusched.protocol import (
 
 _UNITS = ("MiB", "GiB", "TiB", "PiB")
 
+# Characters a terminal acts on instead of showing: C0 controls (ESC starts CSI/OSC sequences such as
+# "clear screen" or OSC 52 "write the clipboard"), DEL, C1 controls (U+009B is a one-byte CSI), and
+# the invisible format characters that reorder or hide text (bidi overrides, zero-width marks).
+_CONTROL = "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
+_UNSAFE_TEXT = re.compile(f"[{_CONTROL}]")
+_UNSAFE_CELL = re.compile(f"[\t\n{_CONTROL}]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str, *, one_line: bool = False) -> str:
+    """`text` with every character a terminal would act on shown as an escape (`\\x1b`, `\\u202e`).
+
+    Job names, commands, reasons and user names come from other users: printed raw, they could clear
+    another user's screen or write their clipboard. `one_line` also escapes tabs and newlines (table cells).
+    """
+    return (_UNSAFE_CELL if one_line else _UNSAFE_TEXT).sub(_escape, text)
+
 
 def format_mib(mib: float) -> str:
     """`512 MiB`, `80 GiB`, `1.5 GiB`: the largest unit that keeps the number >= 1, one decimal at most."""
@@ -79,7 +100,7 @@ def short_device(device: str) -> str:
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """Left-aligned columns two spaces apart; the last column is not padded (no trailing blanks)."""
-    all_rows = [list(headers), *[list(r) for r in rows]]
+    all_rows = [list(headers), *[[printable(cell, one_line=True) for cell in r] for r in rows]]
     widths = [max(len(r[i]) for r in all_rows) for i in range(len(headers))]
     lines = []
     for row in all_rows:
@@ -201,8 +222,8 @@ def show_text(result: ShowResult, now: float, tz: tzinfo | None = None) -> str:
     fields.append(("log", result.log_path or "-"))
 
     width = max(len(k) for k, _ in fields)
-    lines = [f"Job {job.id} ({job.display_name})  {job.state.value}"]
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in fields]
+    lines = [f"Job {job.id} ({printable(job.display_name, one_line=True)})  {job.state.value}"]
+    lines += [f"  {k.ljust(width)}  {printable(v, one_line=True)}" for k, v in fields]
     if job.history:
         lines.append("History:")
         rows = [(format_time(t.at, tz), t.state.value, t.reason or "-") for t in job.history]

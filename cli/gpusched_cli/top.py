@@ -17,7 +17,7 @@ from datetime import tzinfo
 
 from gpusched.protocol import GpuInfo, GpusResult, TopJob, TopSnapshot, WatchRequest
 from gpusched_cli.client import Client
-from gpusched_cli.render import device_labels, format_duration, format_mib, format_time, table
+from gpusched_cli.render import device_labels, format_duration, format_mib, format_time, printable, table
 
 SORTS = ("id", "user", "runtime", "memory")
 BAR_WIDTH = 20
@@ -65,7 +65,7 @@ def render_top(snap: TopSnapshot, view: View, width: int = 120, tz: tzinfo | Non
     lines += [f"  {format_time(e.at, tz)}  {e.kind:<13} {e.message}" for e in events] or ["  none"]
     lines.append("")
     lines.append(view.message or "q quit  s sort  u filter user  p pause")
-    return [line[:width] for line in lines]
+    return [printable(line, one_line=True)[:width] for line in lines]  # names and reasons are other users' text
 
 
 def _gpu_lines(gpu: GpuInfo, width: int) -> list[str]:

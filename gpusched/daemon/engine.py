@@ -52,6 +52,7 @@ from gpusched.model import (
     Job,
     JobSpec,
     JobState,
+    spec_bytes,
 )
 from gpusched.protocol import ErrorCode, ProtocolError
 
@@ -96,6 +97,7 @@ class Engine:
         self._final_states: dict[int, JobState] = {}
         self._active: set[int] = set()  # ids of STARTING / RUNNING / SUSPENDED jobs
         self._waiting_by_uid: dict[int, int] = {}  # PENDING + HELD jobs per uid (max_pending_per_user)
+        self._waiting_bytes_by_uid: dict[int, int] = {}  # their spec_bytes (max_pending_bytes_per_user)
         self._submit_tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, monotonic time)
         self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
         self._held_with_deps: set[int] = set()  # HELD jobs with --after (a dependency may fail them)
@@ -130,7 +132,7 @@ class Engine:
             if job.state in ACTIVE_STATES:
                 self._active.add(job.id)
             elif job.state in WAITING_STATES:
-                self._count_waiting(job.uid, 1)
+                self._count_waiting(job, 1)
                 if job.state is JobState.HELD and job.spec.after:
                     self._held_with_deps.add(job.id)
         self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
@@ -169,8 +171,11 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 a cancel racing wait_for's own timeout can be
+            # lost, leaving stop() waiting on this task for ever (seen under load in the test suite).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_s)
+                async with asyncio.timeout(self.config.tick_s):
+                    await self._wake.wait()
             ticked = not self._wake.is_set()
             self._wake.clear()
             try:
@@ -204,13 +209,13 @@ class Engine:
         reason = unsatisfiable_reason(spec.request, self.inventory.gpus, self.share_modes(), self.dynamic_gpus())
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
-        self._check_user_limits(uid, user)
+        self._check_user_limits(uid, user, spec_bytes(spec))
         for dep in spec.after:
             if self.get(dep.job_id) is None:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"after: no job {dep.job_id} to depend on")
         job = self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=self.clock())
         self.jobs[job.id] = job
-        self._count_waiting(uid, 1)
+        self._count_waiting(job, 1)
         if hold:
             job = self._set(job, JobState.HELD, "held at submission")
         else:
@@ -219,10 +224,18 @@ class Engine:
         self.wake()
         return job
 
-    def _check_user_limits(self, uid: int, user: str) -> None:
+    def _check_user_limits(self, uid: int, user: str, size: int) -> None:
         """Per-user limits that keep one user from flooding the queue or the database (root is exempt)."""
         if uid == 0:
             return
+        held = self._waiting_bytes_by_uid.get(uid, 0)
+        if held + size > self.config.max_pending_bytes_per_user:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{user}'s pending and held jobs already take {held} bytes of argv, environment and cwd; this one "
+                f"({size} bytes) would pass max_pending_bytes_per_user = {self.config.max_pending_bytes_per_user}",
+                "submit with a smaller environment (--export), or wait for some jobs to start",
+            )
         waiting = self._waiting_by_uid.get(uid, 0)
         if waiting >= self.config.max_pending_per_user:
             raise ProtocolError(
@@ -810,7 +823,7 @@ class Engine:
         else:
             self._held_with_deps.discard(job.id)
         if (state in WAITING_STATES) != (job.state in WAITING_STATES):
-            self._count_waiting(job.uid, 1 if state in WAITING_STATES else -1)
+            self._count_waiting(job, 1 if state in WAITING_STATES else -1)
         if state is JobState.PENDING and job.state is not JobState.PENDING:
             self._enqueue(updated)  # submitted, released, or requeued after preemption
         elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
@@ -821,12 +834,13 @@ class Engine:
         self._notify()
         return updated
 
-    def _count_waiting(self, uid: int, delta: int) -> None:
-        count = self._waiting_by_uid.get(uid, 0) + delta
-        if count > 0:
-            self._waiting_by_uid[uid] = count
-        else:
-            self._waiting_by_uid.pop(uid, None)
+    def _count_waiting(self, job: Job, delta: int) -> None:
+        for counts, step in ((self._waiting_by_uid, delta), (self._waiting_bytes_by_uid, delta * spec_bytes(job.spec))):
+            count = counts.get(job.uid, 0) + step
+            if count > 0:
+                counts[job.uid] = count
+            else:
+                counts.pop(job.uid, None)
 
     def _write_job_mapping(self) -> None:
         if self.config.job_mapping_dir is None:

@@ -10,19 +10,21 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gpusched import __version__
 from gpusched.config import ConfigError
-from gpusched.core.accounting import device_busy_fraction, fairness_index, user_stats
+from gpusched.core.accounting import UserStats, device_busy_fraction, fairness_index, user_stats
 from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.launch import gpu_memory_by_job
+from gpusched.daemon.store import StoreReader, SummaryRow
 from gpusched.gpu.backend import GpuError
-from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, describe_request
+from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, bounded, describe_request
 from gpusched.protocol import (
+    MAX_FRAME,
     PROTOCOL_VERSION,
     CancelRequest,
     CancelResult,
@@ -76,6 +78,14 @@ from gpusched.protocol import (
     check_version,
 )
 
+MAX_REASON = 256  # characters of a job's reason in listings; `show` has the whole history
+# A listing stops adding rows at this many bytes, so its reply always fits in one frame (and says how
+# many rows it left out) whatever the jobs' names and reasons hold.
+REPLY_BUDGET = MAX_FRAME - 64 * 1024
+
+
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True, slots=True)
 class Peer:
@@ -111,24 +121,46 @@ def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
     return SubmitResult(job_id=job.id, state=job.state)
 
 
-def queue(ctx: Context, req: QueueRequest) -> QueueResult:
+async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     after = req.after_id if req.after_id is not None else 0
-    jobs: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()
+    live: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()
                             if (req.user is None or j.user == req.user) and j.id > after}
+    stored: list[SummaryRow] = []
     if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
-        for job in ctx.engine.store.page(req.after_id, req.limit, user=req.user):
-            jobs.setdefault(job.id, job)
-    elif req.all and len(jobs) < req.limit:
-        for job in ctx.engine.store.recent(req.limit - len(jobs), user=req.user, finished=True):
-            jobs.setdefault(job.id, job)
-    ordered = [j for _, j in sorted(jobs.items())]
+        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit, after_id=req.after_id, user=req.user))
+    elif req.all and len(live) < req.limit:
+        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True))
+    finished = {row.id: row for row in stored if row.id not in live}
+    ordered = sorted([*live, *finished])
     order = getattr(ctx.engine.scheduler, "fairness_order", None)
     if req.order == "fairness" and callable(order):
         rank = {job_id: i for i, job_id in enumerate(order())}
         # Active and finished jobs first (by id), then pending ones as the scheduler would start them.
-        ordered.sort(key=lambda j: (j.id in rank, rank.get(j.id, 0), j.id))
-    rows = [summarize(j) for j in ordered[: req.limit]]
+        ordered.sort(key=lambda i: (i in rank, rank.get(i, 0), i))
+    rows: list[JobSummary] = []
+    size = 0
+    for job_id in ordered[: req.limit]:
+        row = summarize(live[job_id]) if job_id in live else _summary_of_row(finished[job_id])
+        size += len(row.model_dump_json().encode()) + 1
+        if size > REPLY_BUDGET:
+            break
+        rows.append(row)
     return QueueResult(jobs=rows, total=len(ordered))
+
+
+async def _read(ctx: Context, query: Callable[[StoreReader], _T]) -> _T:
+    """Run a read of the database on a worker thread with its own connection: big reads (`queue --all`,
+    `stats`) must not stall the event loop that serves every other client."""
+    path = ctx.engine.store.path
+
+    def run() -> _T:
+        reader = StoreReader.open(path)
+        try:
+            return query(reader)
+        finally:
+            reader.close()
+
+    return await asyncio.to_thread(run)
 
 
 def show(ctx: Context, req: ShowRequest) -> ShowResult:
@@ -156,21 +188,21 @@ def _estimate(ctx: Context, job: Job) -> RuntimeEstimate | None:
 
 
 async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
-    jobs = [_find(ctx, job_id) for job_id in req.job_ids]  # all-or-nothing: check every id first
-    for job in jobs:
-        _require_owner(ctx, job, "cancel")
+    refs = [_ref(ctx, job_id) for job_id in _unique(req.job_ids)]  # all-or-nothing: check every id first
+    for ref in refs:
+        _require_owner(ctx, ref, "cancel")
     cancelled, finished = [], []
-    for job in jobs:
-        by = "" if job.uid == ctx.peer.uid else f" by {ctx.user}"
-        if await ctx.engine.cancel(job, f"cancelled{by}"):
-            cancelled.append(job.id)
+    for ref in refs:
+        by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
+        if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
+            cancelled.append(ref.id)
         else:
-            finished.append(job.id)
+            finished.append(ref.id)
     return CancelResult(cancelled=cancelled, already_finished=finished)
 
 
 async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
-    job = _find(ctx, req.job_id)
+    job = _ref(ctx, req.job_id)  # the owner is checked without loading the spec
     _require_owner(ctx, job, "read the log of")
     path = ctx.engine.executor.log_path(job.id)
     loop = asyncio.get_running_loop()
@@ -219,18 +251,22 @@ def release(ctx: Context, req: ReleaseRequest) -> JobsChanged:
 
 def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str], str | None],
           past: str) -> JobsChanged:
-    """Apply `act` to every job after checking all of them exist and are the caller's (all or nothing)."""
-    jobs = [_find(ctx, job_id) for job_id in job_ids]
-    for job in jobs:
-        _require_owner(ctx, job, verb)
+    """Apply `act` to every job after checking all of them exist and are the caller's (all or nothing).
+
+    Ids are deduplicated and checked by owner before anything is loaded: finished jobs are never
+    loaded at all (nothing can change them), so a request's cost does not depend on others' specs.
+    """
+    refs = [_ref(ctx, job_id) for job_id in _unique(job_ids)]
+    for ref in refs:
+        _require_owner(ctx, ref, verb)
     changed, unchanged = [], {}
-    for job in jobs:
-        by = "" if job.uid == ctx.peer.uid else f" by {ctx.user}"
-        why_not = act(job, f"{past}{by}")
+    for ref in refs:
+        by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
+        why_not = act(ref.job, f"{past}{by}") if ref.job is not None else f"job is {ref.state}, it has ended"
         if why_not is None:
-            changed.append(job.id)
+            changed.append(ref.id)
         else:
-            unchanged[job.id] = why_not
+            unchanged[ref.id] = why_not
     return JobsChanged(changed=changed, unchanged=unchanged)
 
 
@@ -336,13 +372,16 @@ def _top_job(job: Job, gpu_mem_mib: int | None) -> TopJob:
                   submitted_at=job.submitted_at, started_at=job.started_at, gpu_mem_mib=gpu_mem_mib)
 
 
-def stats(ctx: Context, req: StatsRequest) -> StatsResult:
+async def stats(ctx: Context, req: StatsRequest) -> StatsResult:
     engine = ctx.engine
     now = engine.clock()
     since = now - req.since_s
-    jobs = engine.store.jobs_touching(since)
-    users = user_stats(jobs, since, now, engine.weight_of)
-    busy = device_busy_fraction(jobs, since, now)
+
+    def figures(reader: StoreReader) -> tuple[list[UserStats], dict[str, float]]:
+        jobs = reader.jobs_touching(since, with_spec=False)  # accounting needs times and allocations only
+        return user_stats(jobs, since, now, engine.weight_of), device_busy_fraction(jobs, since, now)
+
+    users, busy = await _read(ctx, figures)
     devices = []
     for gpu in engine.inventory.gpus:
         if not gpu.mig_enabled:
@@ -438,8 +477,42 @@ def summarize(job: Job) -> JobSummary:
         id=job.id, name=job.display_name, user=job.user, uid=job.uid, state=job.state,
         request=describe_request(job.spec.request), submitted_at=job.submitted_at, started_at=job.started_at,
         ended_at=job.ended_at, exit_code=job.exit_code,
-        devices=job.allocation.uuids if job.allocation is not None else [], reason=job.reason,
+        devices=job.allocation.uuids if job.allocation is not None else [], reason=bounded(job.reason, MAX_REASON),
     )
+
+
+def _summary_of_row(row: SummaryRow) -> JobSummary:
+    return JobSummary(
+        id=row.id, name=row.display, user=row.user, uid=row.uid, state=row.state, request=row.request,
+        submitted_at=row.submitted_at, started_at=row.started_at, ended_at=row.ended_at, exit_code=row.exit_code,
+        devices=row.devices, reason=bounded(row.reason, MAX_REASON),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _JobRef:
+    """Who owns a job and its state; `job` is the live job when it has not finished."""
+
+    id: int
+    uid: int
+    user: str
+    state: JobState
+    job: Job | None
+
+
+def _ref(ctx: Context, job_id: int) -> _JobRef:
+    job = ctx.engine.jobs.get(job_id)  # every unfinished job is in memory
+    if job is not None:
+        return _JobRef(job.id, job.uid, job.user, job.state, job)
+    row = ctx.engine.store.owner(job_id)
+    if row is None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+    return _JobRef(job_id, row[0], row[1], row[2], None)
+
+
+def _unique(job_ids: list[int]) -> list[int]:
+    """The ids once each, in the order given."""
+    return list(dict.fromkeys(job_ids))
 
 
 def _health(uuid: str, drained: str | None, error: str | None) -> str:
@@ -463,15 +536,17 @@ def _find(ctx: Context, job_id: int) -> Job:
 
 def _current(ctx: Context, job_id: int) -> Job:
     job = ctx.engine.get(job_id)
-    assert job is not None  # jobs are never deleted
+    if job is None:  # finished jobs are pruned after finished_job_retention_s / beyond max_finished_jobs
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"job {job_id} has ended and its record was pruned",
+                            "finished jobs are kept for finished_job_retention_s (see docs/config.md)")
     return job
 
 
-def _may_act(ctx: Context, job: Job) -> bool:
+def _may_act(ctx: Context, job: Job | _JobRef) -> bool:
     return ctx.admin or job.uid == ctx.peer.uid
 
 
-def _require_owner(ctx: Context, job: Job, verb: str) -> None:
+def _require_owner(ctx: Context, job: Job | _JobRef, verb: str) -> None:
     if not _may_act(ctx, job):
         raise ProtocolError(
             ErrorCode.PERMISSION_DENIED,

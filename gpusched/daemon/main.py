@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -60,9 +61,25 @@ class Daemon:
         return self.metrics.port if self.metrics is not None else None
 
     loader: Callable[[], DaemonConfig] | None = None  # re-reads the config file (SIGHUP, `admin reload`)
+    pruner: asyncio.Task[None] | None = None  # deletes finished jobs past their retention (prune_periodically)
 
     def request_stop(self) -> None:
         self.stopped.set()
+
+    async def prune(self) -> int:
+        """Delete finished jobs past `finished_job_retention_s` or beyond `max_finished_jobs` (the
+        database, their job directories and logs), in small batches so the loop keeps serving.
+        Jobs a pending or held job names in `--after` are kept. Returns how many were deleted."""
+        engine = self.engine
+        protect = {d.job_id for job in engine.jobs.values() for d in job.spec.after}
+        deleted = 0
+        while True:
+            ids = self.store.prune_finished(ended_before=engine.clock() - self.config.finished_job_retention_s,
+                                            keep=self.config.max_finished_jobs, protect=protect)
+            if not ids:
+                return deleted
+            deleted += len(ids)
+            await asyncio.to_thread(_remove_job_files, engine.executor, ids)
 
     async def reload(self) -> ReloadResult:
         """Re-read the configuration and apply what can change live; keep the old one if the new is bad.
@@ -82,6 +99,10 @@ class Daemon:
         engine.config = applied
         self.config = applied
         self.server.max_connections = applied.max_connections
+        self.server.idle_timeout_s = applied.client_idle_timeout_s
+        self.server.read_timeout_s = applied.client_read_timeout_s
+        if self.metrics is not None:
+            self.metrics.max_connections = applied.metrics_max_connections
         engine.devices.health.auto_resume_after_s = applied.health_auto_resume_s
         if {"fairness", "scheduler", "mig"} & set(live):
             standing = engine.scheduler.export_standing()
@@ -99,6 +120,28 @@ class Daemon:
 # metrics listener): a reload reports them and a restart applies them.
 RESTART_KEYS = frozenset({"socket", "state_dir", "sim", "cgroup_root", "metrics_address", "metrics_allow_remote",
                           "mps_control"})
+
+
+PRUNE_INTERVAL_S = 60.0
+
+
+async def prune_periodically(daemon: Daemon) -> None:
+    """Finished jobs are kept for a while, not for ever: submit-and-cancel must not grow the disk without bound."""
+    while True:
+        try:
+            deleted = await daemon.prune()
+            if deleted:
+                log.info("pruned %d finished job(s)", deleted)
+        except Exception:  # pruning is housekeeping: log and try again next time
+            log.exception("pruning finished jobs failed")
+        await asyncio.sleep(PRUNE_INTERVAL_S)
+
+
+def _remove_job_files(executor: Executor, job_ids: list[int]) -> None:
+    for job_id in job_ids:
+        shutil.rmtree(executor.job_dir(job_id), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(executor.log_path(job_id))
 
 
 def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
@@ -194,7 +237,8 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
                     cgroups=cgroups)
     engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
-    server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections)
+    server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections,
+                    config.client_idle_timeout_s, config.client_read_timeout_s)
     await engine.start()  # every job loaded and recovered before the first request is read
     try:
         await server.start()
@@ -204,7 +248,7 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
         raise StartupError(str(exc)) from None
     metrics = None
     if config.metrics_address is not None:
-        metrics = MetricsServer(engine, config.metrics_address, backend_name)
+        metrics = MetricsServer(engine, config.metrics_address, backend_name, config.metrics_max_connections)
         try:
             await metrics.start()
         except OSError as exc:
@@ -216,11 +260,16 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
              len(engine.inventory.gpus))
     daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader)
     server.reload = daemon.reload
+    daemon.pruner = asyncio.create_task(prune_periodically(daemon), name="gpusched-prune")
     return daemon
 
 
 async def stop(daemon: Daemon) -> None:
     """Stop accepting, finish in-flight requests, persist, release the GPU backend."""
+    if daemon.pruner is not None:
+        daemon.pruner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await daemon.pruner
     if daemon.metrics is not None:
         await daemon.metrics.close()
     await daemon.server.close()

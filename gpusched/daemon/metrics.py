@@ -158,8 +158,15 @@ class MetricsServer:
 
     MAX_HEADER_BYTES = 16 * 1024
 
-    def __init__(self, engine: Engine, address: str, backend_name: str = "") -> None:
+    TIMEOUT_S = 10.0  # to send a request's head, and to take the reply
+
+    def __init__(self, engine: Engine, address: str, backend_name: str = "", max_connections: int = 32) -> None:
         self.host, self.requested_port = split_host_port(address)
+        # Its own cap, well below the daemon's file limit: a flood of scrapes is closed at once instead
+        # of taking the descriptors the control socket, the database and job launches need.
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.refused_connections = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, backend_name))
         self.port = 0  # the bound port, known after start() (metrics_address may ask for port 0)
@@ -183,8 +190,13 @@ class MetricsServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= self.max_connections:
+            self.refused_connections += 1
+            writer.transport.abort()  # no reply: answering would itself hold the descriptor longer
+            return
+        self.open_connections += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.TIMEOUT_S)
             lines = head.decode("latin-1").split("\r\n")
             method, target, *_ = [*lines[0].split(" "), "", ""]
             headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
@@ -204,9 +216,10 @@ class MetricsServer:
             with contextlib.suppress(Exception):
                 await _respond(writer, 500, b"internal error\n", "text/plain; charset=utf-8")
         finally:
+            self.open_connections -= 1
             writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await asyncio.wait_for(writer.wait_closed(), self.TIMEOUT_S)
 
 
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
@@ -218,4 +231,4 @@ async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes, conte
                **(extra or {})}
     head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     writer.write(head.encode("latin-1") + b"\r\n" + (b"" if head_only else body))
-    await writer.drain()
+    await asyncio.wait_for(writer.drain(), MetricsServer.TIMEOUT_S)  # a scraper that stops reading is dropped

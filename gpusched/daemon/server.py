@@ -74,8 +74,10 @@ class Server:
     """Accepts connections and dispatches requests to handlers."""
 
     def __init__(self, engine: Engine, path: str, backend_name: str, request_shutdown: Callable[[], None],
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, idle_timeout_s: float = 600.0, read_timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.idle_timeout_s = idle_timeout_s  # between requests (after hello)
+        self.read_timeout_s = read_timeout_s  # to finish a frame once its first byte came, and to take a reply
         self.path = path
         self.backend_name = backend_name
         self.request_shutdown = request_shutdown
@@ -138,8 +140,8 @@ class Server:
                                                "close idle gpusched clients (e.g. `top`) and try again"))
                 return
             await self._session(reader, writer, peer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away; nothing to answer
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the client went away, or stopped reading our replies: nothing more to say
         finally:
             self._connections.discard(task)
             if counted:
@@ -156,21 +158,30 @@ class Server:
                       self.request_shutdown, self.path, self.reload)
         greeted = False
         while not self._closing:
+            # Every read has a deadline: a connection that never says hello, sits idle too long, or
+            # stalls in the middle of a frame is closed, so it cannot hold a slot (and a file) for ever.
+            idle = self.idle_timeout_s if greeted else HELLO_TIMEOUT_S
             try:
-                if greeted:
-                    header = await reader.readexactly(HEADER.size)
-                else:  # a connection that never says hello must not hold a slot for ever
-                    header = await asyncio.wait_for(reader.readexactly(HEADER.size), HELLO_TIMEOUT_S)
+                first = await asyncio.wait_for(reader.readexactly(1), idle)
             except TimeoutError:
-                await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
-                                               f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
-                return
-            except asyncio.IncompleteReadError as exc:
-                if exc.partial:
-                    await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
+                if not greeted:
+                    await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
+                                                   f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
+                return  # idle after hello: close quietly (a client reconnects when it needs to)
+            except asyncio.IncompleteReadError:
                 return
             try:
-                body = await reader.readexactly(frame_length(header))
+                try:
+                    header = first + await asyncio.wait_for(reader.readexactly(HEADER.size - 1),
+                                                            self.read_timeout_s)
+                except asyncio.IncompleteReadError:
+                    await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
+                    return
+                body = await asyncio.wait_for(reader.readexactly(frame_length(header)), self.read_timeout_s)
+            except TimeoutError:
+                await self._send(writer, error(ErrorCode.BAD_FRAME, f"frame not completed within "
+                                               f"{self.read_timeout_s:g} s; closing"))
+                return
             except ProtocolError as exc:
                 # The announced body is not read, so the stream cannot be resynchronised: close.
                 await self._send(writer, error(exc.code, exc.message, exc.hint))
@@ -241,15 +252,15 @@ class Server:
         if self._in_flight == 0:
             self._idle.set()
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         try:
             frame = encode_frame(message)
         except ProtocolError as exc:  # a reply too large for one frame: say so instead of hanging up
             frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
                                        "ask for less (e.g. `queue --user`, a smaller --limit)"))
         writer.write(frame)
-        await writer.drain()
+        # A client that stops reading must not hold the reply (and its connection) for ever.
+        await asyncio.wait_for(writer.drain(), self.read_timeout_s)
 
 
 def _name(uid: int) -> str:

@@ -10,13 +10,26 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
-from gpusched.model import TERMINAL_STATES, TRANSITIONS, Allocation, Event, Job, JobSpec, JobState, Transition
+from gpusched.model import (
+    TERMINAL_STATES,
+    TRANSITIONS,
+    Allocation,
+    Event,
+    Job,
+    JobSpec,
+    JobState,
+    Transition,
+    WholeRequest,
+    describe_request,
+    display_name,
+)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: jobs.display and jobs.request, so listings never parse a spec
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -34,7 +47,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     signal INTEGER,
     reason TEXT NOT NULL DEFAULT '',
     allocation TEXT,
-    pid INTEGER
+    pid INTEGER,
+    display TEXT,
+    request TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS transitions (
@@ -64,28 +79,179 @@ class StoreError(Exception):
     """The store refused a change (illegal transition, unknown job)."""
 
 
-class Store:
+class SummaryRow(NamedTuple):
+    """What a listing (`queue --all`) needs of a job, read without parsing its spec."""
+
+    id: int
+    uid: int
+    user: str
+    state: JobState
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    reason: str
+    devices: list[str]
+    display: str
+    request: str
+
+
+# A stand-in for the spec where a reader asked for jobs without theirs (accounting needs times and
+# allocations only, and parsing 256 KiB specs by the thousand is what made `stats` slow).
+NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
+
+_SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
+                    "display, request")
+
+
+class StoreReader:
+    """The read side of the store. The daemon's Store is one; `StoreReader.open` gives a read-only
+    connection of its own that a worker thread may use while the loop keeps serving (WAL readers
+    never block the writer)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    @classmethod
+    def open(cls, path: str) -> StoreReader:
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        return cls(sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False))
+
+    def close(self) -> None:
+        self._db.close()
+
+    def get(self, job_id: int) -> Job | None:
+        rows = list(self._select("WHERE id = ?", (job_id,)))
+        return rows[0] if rows else None
+
+    def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
+        """Jobs in the given states, in submission order (the order pending jobs were acknowledged)."""
+        names = [s.value for s in states]
+        marks = ", ".join("?" for _ in names)
+        return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
+
+    def jobs_touching(self, since: float, *, with_spec: bool = True) -> list[Job]:
+        """Jobs not finished before `since` (unfinished ones included), in submission order.
+
+        Without `with_spec` each job's spec is NO_SPEC: accounting reads only times and allocations.
+        """
+        return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,), with_spec))
+
+    def owner(self, job_id: int) -> tuple[int, str, JobState] | None:
+        """(uid, user, state) of a job, without reading its spec: enough to refuse or skip it cheaply."""
+        row = self._db.execute("SELECT uid, user, state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else (row[0], row[1], JobState(row[2]))
+
+    def summaries(self, *, limit: int, after_id: int | None = None, user: str | None = None,
+                  finished: bool = False) -> list[SummaryRow]:
+        """Listing rows in id order: the first `limit` above `after_id`, else the newest `limit`
+        (only ended jobs with `finished`). Specs are never read: the columns hold what a row shows."""
+        clauses: list[str] = []
+        args: list[Any] = []
+        if after_id is not None:
+            clauses.append("id > ?")
+            args.append(after_id)
+        if user is not None:
+            clauses.append("user = ?")
+            args.append(user)
+        if finished:
+            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
+            args.extend(s.value for s in TERMINAL_STATES)
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        order = "ASC" if after_id is not None else "DESC"
+        rows = self._db.execute(f"SELECT {_SUMMARY_COLUMNS} FROM jobs {where} ORDER BY id {order} LIMIT ?",
+                                (*args, limit)).fetchall()
+        out = [
+            SummaryRow(id=r[0], uid=r[1], user=r[2], state=JobState(r[3]), submitted_at=r[4], started_at=r[5],
+                       ended_at=r[6], exit_code=r[7], reason=r[8],
+                       devices=Allocation.model_validate_json(r[9]).uuids if r[9] else [], display=r[10] or "",
+                       request=r[11] or "")
+            for r in rows
+        ]
+        return out if after_id is not None else out[::-1]
+
+    def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
+        cur = self._db.execute(
+            f"SELECT id, uid, gid, user, {'spec' if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
+            f" exit_code, signal, reason, allocation, pid FROM jobs {where}",
+            args,
+        )
+        rows = cur.fetchall()
+        histories = self._histories([r[0] for r in rows])
+        for r in rows:
+            yield Job(
+                id=r[0], uid=r[1], gid=r[2], user=r[3],
+                spec=JobSpec.model_validate_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
+                submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
+                allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
+                history=histories.get(r[0], []),
+            )
+
+    def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
+        out: dict[int, list[Transition]] = {}
+        for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
+            chunk = ids[start : start + 500]
+            marks = ", ".join("?" for _ in chunk)
+            for job_id, state, at, reason in self._db.execute(
+                f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
+                chunk,
+            ):
+                out.setdefault(job_id, []).append(Transition(state=JobState(state), at=at, reason=reason))
+        return out
+
+    def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
+        """The newest `limit` events (of one job, if given), oldest first."""
+        where, args = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
+        rows = self._db.execute(
+            f"SELECT at, kind, message, gpu, device, job_id FROM events {where} ORDER BY id DESC LIMIT ?",
+            (*args, limit),
+        ).fetchall()
+        return [Event(at=r[0], kind=r[1], message=r[2], gpu=r[3], device=r[4], job_id=r[5]) for r in reversed(rows)]
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+
+class Store(StoreReader):
     """One SQLite connection, used from the daemon's event-loop thread only."""
 
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
         os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # an ack means the change survives power loss
         self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
-        version = self.get_meta("schema_version")
-        if version is None:
-            self.set_meta("schema_version", str(SCHEMA_VERSION))
-        elif int(version) > SCHEMA_VERSION:
+        version = self.get_meta("schema_version") if self._has_table("meta") else None
+        if version is not None and int(version) > SCHEMA_VERSION:
             raise StoreError(
                 f"{path}: database schema {version} is newer than this gpusched understands ({SCHEMA_VERSION})"
             )
+        self._db.executescript(_SCHEMA)
+        self._upgrade()
+        self.set_meta("schema_version", str(SCHEMA_VERSION))
 
-    def close(self) -> None:
-        self._db.close()
+    def _has_table(self, name: str) -> bool:
+        return self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                (name,)).fetchone() is not None
+
+    def _upgrade(self) -> None:
+        """Schema 1 -> 2: add the listing columns and fill them in from the specs (once)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column in ("display", "request"):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+        while True:
+            rows = self._db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall()
+            if not rows:
+                return
+            with self._tx() as db:
+                for job_id, text in rows:
+                    spec = JobSpec.model_validate_json(text)
+                    db.execute("UPDATE jobs SET display = ?, request = ? WHERE id = ?",
+                               (display_name(spec), describe_request(spec.request), job_id))
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -103,8 +269,10 @@ class Store:
         """Insert a PENDING job and its first transition in one transaction; returns the stored job."""
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, spec.model_dump_json(), JobState.PENDING.value, now, reason),
+                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (uid, gid, user, spec.model_dump_json(), JobState.PENDING.value, now, reason, display_name(spec),
+                 describe_request(spec.request)),
             )
             job_id = cur.lastrowid
             assert job_id is not None
@@ -153,67 +321,31 @@ class Store:
             )
         return job.model_copy(update=fields)
 
-    def get(self, job_id: int) -> Job | None:
-        rows = list(self._select("WHERE id = ?", (job_id,)))
-        return rows[0] if rows else None
-
-    def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
-        """Jobs in the given states, in submission order (the order pending jobs were acknowledged)."""
-        names = [s.value for s in states]
-        marks = ", ".join("?" for _ in names)
-        return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
-
-    def jobs_touching(self, since: float) -> list[Job]:
-        """Jobs not finished before `since` (unfinished ones included), in submission order."""
-        return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,)))
-
-    def page(self, after_id: int, limit: int, user: str | None = None) -> list[Job]:
-        """Up to `limit` jobs with ids above `after_id`, in id order (any state)."""
-        where, args = ("AND user = ?", (user,)) if user is not None else ("", ())
-        return list(self._select(f"WHERE id > ? {where} ORDER BY id LIMIT ?", (after_id, *args, limit)))
-
-    def recent(self, limit: int, user: str | None = None, finished: bool = False) -> list[Job]:
-        """The newest `limit` jobs (only ended ones with `finished`), oldest first."""
-        clauses: list[str] = []
-        args: list[Any] = []
-        if user is not None:
-            clauses.append("user = ?")
-            args.append(user)
-        if finished:
-            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
-            args.extend(s.value for s in TERMINAL_STATES)
-        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
-        rows = list(self._select(f"{where} ORDER BY id DESC LIMIT ?", (*args, limit)))
-        rows.reverse()
-        return rows
-
-    def _select(self, where: str, args: tuple[Any, ...]) -> Iterator[Job]:
-        cur = self._db.execute(
-            "SELECT id, uid, gid, user, spec, state, submitted_at, started_at, ended_at, exit_code, signal, reason,"
-            f" allocation, pid FROM jobs {where}",
-            args,
-        )
-        rows = cur.fetchall()
-        histories = self._histories([r[0] for r in rows])
-        for r in rows:
-            yield Job(
-                id=r[0], uid=r[1], gid=r[2], user=r[3], spec=JobSpec.model_validate_json(r[4]), state=JobState(r[5]),
-                submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
-                allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
-                history=histories.get(r[0], []),
-            )
-
-    def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
-        out: dict[int, list[Transition]] = {}
-        for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
-            chunk = ids[start : start + 500]
-            marks = ", ".join("?" for _ in chunk)
-            for job_id, state, at, reason in self._db.execute(
-                f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
-                chunk,
-            ):
-                out.setdefault(job_id, []).append(Transition(state=JobState(state), at=at, reason=reason))
-        return out
+    def prune_finished(self, *, ended_before: float, keep: int, protect: Iterable[int] = (),
+                       batch: int = 500) -> list[int]:
+        """Delete up to `batch` finished jobs (with their transitions and events) that ended before
+        `ended_before` or are beyond the newest `keep` finished ones; never those in `protect` (the
+        targets of pending `--after` dependencies). Returns the ids deleted; call again until empty.
+        Small batches keep each write transaction short, so the loop's own commits never wait long."""
+        terminal = [s.value for s in TERMINAL_STATES]
+        marks = ", ".join("?" for _ in terminal)
+        protected = set(protect)
+        cutoff = self._db.execute(f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY id DESC LIMIT 1 OFFSET ?",
+                                  (*terminal, keep)).fetchone() if keep >= 0 else None
+        newest_doomed = cutoff[0] if cutoff is not None else 0  # this id and older are beyond `keep`
+        candidates = self._db.execute(
+            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) ORDER BY id LIMIT ?",
+            (*terminal, ended_before, newest_doomed, batch + len(protected)),
+        ).fetchall()
+        ids = [r[0] for r in candidates if r[0] not in protected][:batch]
+        if not ids:
+            return []
+        id_marks = ", ".join("?" for _ in ids)
+        with self._tx() as db:
+            db.execute(f"DELETE FROM transitions WHERE job_id IN ({id_marks})", ids)
+            db.execute(f"DELETE FROM events WHERE job_id IN ({id_marks})", ids)
+            db.execute(f"DELETE FROM jobs WHERE id IN ({id_marks})", ids)
+        return ids
 
     # ---- device and job events -------------------------------------------------------------------
 
@@ -224,20 +356,7 @@ class Store:
                 (event.at, event.kind, event.message, event.gpu, event.device, event.job_id),
             )
 
-    def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
-        """The newest `limit` events (of one job, if given), oldest first."""
-        where, args = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
-        rows = self._db.execute(
-            f"SELECT at, kind, message, gpu, device, job_id FROM events {where} ORDER BY id DESC LIMIT ?",
-            (*args, limit),
-        ).fetchall()
-        return [Event(at=r[0], kind=r[1], message=r[2], gpu=r[3], device=r[4], job_id=r[5]) for r in reversed(rows)]
-
     # ---- metadata (scheduler standing, schema version) --------------------------------------------
-
-    def get_meta(self, key: str) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
         with self._tx() as db:

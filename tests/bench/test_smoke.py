@@ -57,3 +57,8 @@ def test_crash_storm_quick() -> None:
     assert out.rstrip().endswith("PASS"), out
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
     assert {row[0] for row in rows} == {"1", "2"}
+
+
+def test_spec_memory_quick() -> None:
+    out = run_quick("spec_memory.py")
+    assert "one value with an astral character" in out and "worst case per held job" in out

@@ -209,3 +209,20 @@ def test_final_state_text() -> None:
 )
 def test_job_exit_status(kw: dict[str, object], status: int) -> None:
     assert job_exit_status(_job(**kw)) == status
+
+
+@pytest.mark.parametrize("raw, shown", [
+    ("\x1b[2J", "\\x1b[2J"),  # clear screen
+    ("\x1b]52;c;ZXZpbA==\x07", "\\x1b]52;c;ZXZpbA==\\x07"),  # OSC 52: write the clipboard
+    ("a\x9b31mb", "a\\x9b31mb"),  # one-byte CSI (C1)
+    ("x\u202ey\u200bz", "x\\u202ey\\u200bz"),  # bidi override, zero-width space
+    ("tab\tand\nnewline", "tab\tand\nnewline"),  # kept outside table cells
+    ("plain, ünïcödé 😀", "plain, ünïcödé 😀"),
+])
+def test_printable_escapes_what_a_terminal_would_act_on(raw: str, shown: str) -> None:
+    assert render.printable(raw) == shown
+
+
+def test_table_cells_escape_newlines_and_controls() -> None:
+    text = render.table(("A", "B"), [("x\ny", "\x1b[31mred")])
+    assert text.splitlines()[1] == "x\\x0ay  \\x1b[31mred"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gpusched.daemon.jobmap import device_file_names, write_job_mapping
 from gpusched.gpu.backend import Gpu, Instance
@@ -42,3 +46,48 @@ def test_daemon_maintains_mapping_files(daemon_factory: Any, tmp_path: Path) -> 
         assert (mapping / str(gpu)).read_text() == f"{job_id}\n"
         wait_done(c, job_id)
         wait_until(lambda: not (mapping / str(gpu)).exists(), what="mapping removed after the job")
+
+
+def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
+    """A `.0.tmp` (or `0`) symlink to a root-only file must not make root truncate or chmod that file."""
+    victim = tmp_path / "victim"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    mapping = tmp_path / "map"
+    mapping.mkdir(mode=0o755)
+    (mapping / ".0.tmp").symlink_to(victim)
+    (mapping / "1").symlink_to(victim)
+    write_job_mapping(str(mapping), {"0": [7], "1": [8]})
+    assert victim.read_text() == "secret\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert (mapping / "0").read_text() == "7\n" and not (mapping / "0").is_symlink()
+    assert (mapping / "1").read_text() == "8\n" and not (mapping / "1").is_symlink()
+
+
+def test_only_mapping_files_are_removed(tmp_path: Path) -> None:
+    """Stale removal deletes only names we write (`N`, `N.M`): a mis-pointed directory loses nothing else."""
+    (tmp_path / "passwd").write_text("keep\n")
+    (tmp_path / "3").write_text("old\n")
+    write_job_mapping(str(tmp_path), {"0": [1]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "passwd"]
+
+
+@pytest.mark.parametrize("problem", ["other owner", "world-writable", "symlinked dir", "symlinked parent"])
+def test_a_directory_another_user_controls_is_refused(tmp_path: Path, problem: str) -> None:
+    if os.geteuid() != 0 and problem == "other owner":
+        pytest.skip("needs root to give the directory to another uid")
+    real = tmp_path / "real"
+    real.mkdir(mode=0o755)
+    target = real
+    if problem == "other owner":
+        os.chown(real, 4242, 4242)
+    elif problem == "world-writable":
+        real.chmod(0o777)
+    elif problem == "symlinked dir":
+        target = tmp_path / "link"
+        target.symlink_to(real)
+    else:
+        (tmp_path / "linkparent").symlink_to(tmp_path)
+        target = tmp_path / "linkparent" / "real"
+    with pytest.raises(OSError, match="refusing"):
+        write_job_mapping(str(target), {"0": [1]})
+    assert list(real.iterdir()) == []

@@ -195,3 +195,73 @@ def test_mig_instances_are_devices_and_their_creation_is_counted(
     assert [(d["gpu"], d["kind"], d["profile"]) for d in devices] == [("0", "mig", "3g.40gb")] * 2
     assert all(d["uuid"].startswith("MIG-") for d in devices)
     assert value(samples, "gpusched_mig_reconfigurations_total", gpu="0") == 2.0
+
+
+_LIMITED_DAEMON = ("import resource, sys\n"
+                   "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv.pop(1)),) * 2)\n"
+                   "from gpusched.daemon.main import cli\n"
+                   "cli()\n")
+
+
+def test_a_connection_flood_on_metrics_leaves_the_control_socket_working(tmp_path: object) -> None:
+    """With the daemon limited to 256 files, 600 idle connections to /metrics used to take every
+    descriptor, and other users' `submit` failed. The endpoint has its own, much smaller, cap."""
+    import re
+    import resource
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from gpusched.protocol import QueueRequest, QueueResult
+    from tests.conftest import short_tmpdir
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1024:
+        pytest.skip("the test needs 1024 descriptors of its own")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1024), hard))
+    base = short_tmpdir()
+    sock_path, log_path = os.path.join(base, "g.sock"), os.path.join(base, "daemon.log")
+    config = os.path.join(base, "gpusched.toml")
+    with open(config, "w") as f:
+        f.write('allow_root_jobs = true\ncgroup_root = "off"\ntick_s = 0.2\nmetrics_address = "127.0.0.1:0"\n'
+                "metrics_max_connections = 8\n")
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen([sys.executable, "-c", _LIMITED_DAEMON, "256", "--config", config, "--sim",
+                                   "H100-80GB:1", "--socket", sock_path, "--state-dir", os.path.join(base, "state")],
+                                  stdout=log, stderr=log, start_new_session=True)
+    flood: list[socket.socket] = []
+    try:
+        def port() -> int:
+            with open(log_path) as f:
+                text = f.read()
+            assert daemon.poll() is None, text
+            found = re.search(r"serving Prometheus metrics on http://127\.0\.0\.1:(\d+)/", text)
+            return int(found.group(1)) if found else 0
+
+        metrics_port = wait_until(port, timeout=30, what="the metrics endpoint")
+        wait_until(lambda: os.path.exists(sock_path), timeout=30, what="the control socket")
+        for _ in range(600):
+            s = socket.create_connection(("127.0.0.1", metrics_port), timeout=5)
+            flood.append(s)
+        with Client(sock_path, timeout=10) as c:  # the control socket still accepts, the database still opens
+            job_id = c.call(SubmitRequest(spec=JobSpec(argv=["true"], cwd="/tmp", request=WholeRequest(gpus=1)),
+                                          hold=True), SubmitResult).job_id
+            assert [j.id for j in c.call(QueueRequest(), QueueResult).jobs] == [job_id]
+        for s in flood:
+            s.close()
+        flood.clear()
+        assert wait_until(lambda: _scrape_or_none(metrics_port), timeout=30, what="a scrape after the flood")
+    finally:
+        for s in flood:
+            s.close()
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _scrape_or_none(port: int) -> Samples | None:
+    try:
+        return scrape(port)
+    except (OSError, urllib.error.URLError):
+        return None

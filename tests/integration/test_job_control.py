@@ -39,7 +39,10 @@ def test_suspend_stops_the_whole_job_and_resume_continues_it(daemon: DaemonHandl
         job_id = submit(c, spec("sh", "-c", "sleep 30 & echo $!; wait"))
         wait_until(lambda: log_text(c, job_id).strip().isdigit(), what="child pid in log")
         child = int(log_text(c, job_id))
-        job = c.call(ShowRequest(job_id=job_id), ShowResult).job
+        # The job can write before the daemon has recorded it RUNNING (the shim reports its pid after
+        # the exec): wait for that, or a suspend in the window is rightly refused as STARTING.
+        job = wait_until(lambda: (j := c.call(ShowRequest(job_id=job_id), ShowResult).job).pid is not None and j,
+                         what="the job recorded RUNNING with its pid")
         assert job.pid is not None
         assert c.call(SuspendRequest(job_ids=[job_id]), JobsChanged).changed == [job_id]
         shown = c.call(ShowRequest(job_id=job_id), ShowResult).job

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-ALIBABA = Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba-gpu-v2023-openb_pod_list_default.csv"
+# A small pod list written for these tests in the column format of alibaba/clusterdata
+# `cluster-trace-gpu-v2023` (`openb_pod_list_*.csv`); no rows of the real trace (see tests/fixtures/README.md).
+ALIBABA = Path(__file__).resolve().parents[1] / "fixtures" / "alibaba-openb-sample.csv"
 
 
 @pytest.fixture

@@ -1,0 +1,61 @@
+"""The store's listing columns and pruning, and the upgrade of a schema-1 database (real SQLite files)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from gpusched.daemon.store import SCHEMA_VERSION, Store, StoreReader
+from gpusched.model import JobSpec, JobState, WholeRequest
+
+_SCHEMA_1 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+    user TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT NULL, submitted_at REAL NOT NULL, started_at REAL,
+    ended_at REAL, exit_code INTEGER, signal INTEGER, reason TEXT NOT NULL DEFAULT '', allocation TEXT, pid INTEGER);
+CREATE TABLE transitions (job_id INTEGER NOT NULL REFERENCES jobs(id), seq INTEGER NOT NULL, state TEXT NOT NULL,
+    at REAL NOT NULL, reason TEXT NOT NULL, PRIMARY KEY (job_id, seq));
+CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL,
+    message TEXT NOT NULL, gpu INTEGER, device TEXT, job_id INTEGER);
+INSERT INTO meta VALUES ('schema_version', '1');
+"""
+
+
+def _spec(program: str, name: str | None = None) -> JobSpec:
+    return JobSpec(argv=[program], cwd="/tmp", request=WholeRequest(gpus=2), name=name)
+
+
+def test_a_schema_1_database_gets_its_listing_columns(tmp_path: Path) -> None:
+    path = tmp_path / "gpusched.db"
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_1)
+    for i, spec in enumerate([_spec("/opt/bin/train"), _spec("x", name="named")]):
+        db.execute("INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, ended_at) VALUES (1, 1, 'u', ?, "
+                   "'CANCELLED', ?, ?)", (spec.model_dump_json(), i, i))
+    db.commit()
+    db.close()
+    store = Store(str(path))
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION)
+    rows = store.summaries(limit=10, finished=True)
+    assert [(r.display, r.request, r.state) for r in rows] == [
+        ("train", "gpus=2", JobState.CANCELLED), ("named", "gpus=2", JobState.CANCELLED)]
+    store.close()
+
+
+def test_summaries_page_and_prune(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "gpusched.db"))
+    jobs = [store.submit(uid=1, gid=1, user="u", spec=_spec(f"/bin/p{i}"), now=float(i)) for i in range(6)]
+    for job in jobs[:5]:
+        store.transition(job, JobState.CANCELLED, now=10.0 + job.id, reason="cancelled", ended_at=10.0 + job.id)
+    reader = StoreReader.open(store.path)
+    assert [r.id for r in reader.summaries(limit=2, after_id=jobs[1].id)] == [jobs[2].id, jobs[3].id]
+    assert [r.display for r in reader.summaries(limit=2, finished=True)] == ["p3", "p4"]
+    # Keep the newest 3 finished, except that job 1 is protected (a dependency); the pending job stays.
+    assert store.prune_finished(ended_before=0.0, keep=3, protect={jobs[0].id}) == [jobs[1].id]
+    assert store.prune_finished(ended_before=0.0, keep=3, protect={jobs[0].id}) == []
+    # By age: everything that ended before 14.5 goes (jobs 3 and 4 ended at 13 and 14), the protected one stays.
+    assert store.prune_finished(ended_before=14.5, keep=100, protect={jobs[0].id}) == [jobs[2].id, jobs[3].id]
+    assert [r.id for r in reader.summaries(limit=10, after_id=0)] == [jobs[0].id, jobs[4].id, jobs[5].id]
+    assert store.get(jobs[1].id) is None and reader.owner(jobs[5].id) == (1, "u", JobState.PENDING)
+    reader.close()
+    store.close()
