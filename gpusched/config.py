@@ -108,6 +108,10 @@ class SchedulerSection(BaseModel):
     interactive_headroom_gpus: int = Field(
         default=1, ge=0, le=64, description="most devices kept for interactive work (sized from recent demand); 0: none"
     )
+    interactive_headroom_fraction: float = Field(
+        default=0.25, ge=0, le=1, description="the headroom is also at most this fraction of the node's GPUs, rounded "
+        "down (so a 2- or 3-GPU node keeps none: a kept GPU would block every 2-GPU batch job)",
+    )
     interactive_preempt_after_s: float | None = Field(
         default=0.0, ge=0, description="an interactive job that has waited this long may preempt batch work on the "
         "headroom; unset: never",

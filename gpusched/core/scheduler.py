@@ -87,6 +87,9 @@ class SchedulerConfig:
     preempt_budget_gpu_s: float = 4 * 3600.0  # work a user may lose to requeue preemption per day (GPU-s)
     interactive_window_s: float = 3600.0  # interactive demand this recent keeps headroom (core/interactive.py)
     interactive_headroom_gpus: int = 1  # most devices kept for interactive work (0: none)
+    # ... and at most this fraction of the node's GPUs (rounded down): on a 2- or 3-GPU node a kept
+    # GPU would block every 2-GPU batch job for as long as the window lasts.
+    interactive_headroom_fraction: float = 0.25
     interactive_preempt_after_s: float | None = 0.0  # an interactive job waiting this long may preempt
     # Whose shares may join an MPS device where another user's server runs (each user has their own
     # server there; servers time-slice): interactive jobs only, by default, because for them starting
@@ -686,7 +689,9 @@ class Scheduler:
         """Devices kept for interactive work this pass (core/interactive.py)."""
         running = sum(rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive")
         self._demand.observe(now, running + sum(self._interactive_pending.values()))
-        n = self._demand.devices_needed(now, self.config.interactive_headroom_gpus)
+        cap = min(self.config.interactive_headroom_gpus,
+                  math.floor(len(snapshot.gpus) * self.config.interactive_headroom_fraction + 1e-9))
+        n = self._demand.devices_needed(now, cap)
         if n == 0:
             self._headroom = frozenset()
             return self._headroom

@@ -180,6 +180,7 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
         preempt_budget_gpu_s=config.scheduler.preempt_budget_gpu_s,
         interactive_window_s=config.scheduler.interactive_window_s,
         interactive_headroom_gpus=config.scheduler.interactive_headroom_gpus,
+        interactive_headroom_fraction=config.scheduler.interactive_headroom_fraction,
         interactive_preempt_after_s=config.scheduler.interactive_preempt_after_s,
         mps_across_users=config.scheduler.mps_across_users,
         backfill=config.scheduler.backfill,

@@ -339,3 +339,25 @@ def test_fairness_order_predicts_the_next_starts_exactly(
         jid += 1
     predicted = n.sched.fairness_order()
     assert _starts(n.step()) == predicted
+
+
+def test_interactive_headroom_never_blocks_a_small_node() -> None:
+    """A 2-GPU node keeps no GPU for interactive work (at most a quarter of the node, rounded down):
+    otherwise one notebook would block every 2-GPU batch job for the whole window."""
+    n = Node(Scheduler(incremental=True), [gpu(0), gpu(1)])
+    n.submit(job(1, "alice", job_class="interactive"), 60)
+    assert _starts(n.step()) == [1]
+    n.run_until(120)  # the interactive job ended a minute ago, well within the window
+    n.submit(job(2, "bob", gpus=2), 100)
+    assert _starts(n.step()) == [2]
+
+
+def test_interactive_headroom_keeps_a_gpu_on_a_bigger_node() -> None:
+    n = Node(Scheduler(incremental=True), [gpu(i) for i in range(4)])
+    n.submit(job(1, "alice", job_class="interactive"), 60)
+    assert _starts(n.step()) == [1]
+    n.run_until(120)
+    n.submit(job(2, "bob", gpus=4), 100)
+    n.submit(job(3, "bob", gpus=3), 100)
+    assert _starts(n.step()) == [3]  # one GPU stays free for interactive work
+    assert "waiting for 4 whole GPU(s)" in n.sched.explain(2)
