@@ -647,7 +647,10 @@ class Scheduler:
     def _need(self, job: Job, cluster: Cluster) -> str:
         req = job.spec.request
         if isinstance(req, WholeRequest):
-            return f"waiting for {req.gpus} whole GPU(s) ({cluster.idle_whole()} idle now)"
+            kept = sum(1 for u in self._headroom if (d := cluster.devices.get(u)) is not None
+                       and d.kind == "gpu" and d.idle) if job.spec.job_class != "interactive" else 0
+            note = f", {kept} of them kept for interactive work" if kept else ""
+            return f"waiting for {req.gpus} whole GPU(s) ({cluster.idle_whole()} idle now{note})"
         if isinstance(req, MigRequest):
             return f"waiting for a free {req.profile}"
         return f"waiting for a share of {req.fraction:g} with {req.gpu_mem_mib} MiB on an mps/timeslice device"

@@ -360,4 +360,4 @@ def test_interactive_headroom_keeps_a_gpu_on_a_bigger_node() -> None:
     n.submit(job(2, "bob", gpus=4), 100)
     n.submit(job(3, "bob", gpus=3), 100)
     assert _starts(n.step()) == [3]  # one GPU stays free for interactive work
-    assert "waiting for 4 whole GPU(s)" in n.sched.explain(2)
+    assert "waiting for 4 whole GPU(s) (4 idle now, 1 of them kept for interactive work)" in n.sched.explain(2)
