@@ -101,15 +101,20 @@ _A100_40 = (
     _p("4g.20gb", _GI_4, 5, 4, 4, (0,), 1, 56, 20096, (4, 2, 0, 0)),
     _p("7g.40gb", _GI_7, 0, 7, 8, (0,), 1, 98, 40448, (7, 5, 1, 1)),
 )
-# A100-80GB: same GA100 SM counts and engines, memory doubled (names from the MIG guide).
+# A100-80GB: same GA100 SM counts and engines (names from the MIG guide). Memory differs by driver
+# (NVIDIA/mig-parted issue #31: 535/545 drivers list 1g at 9.50 GiB and name the 3g "3g.39gb"), so
+# we take the smaller, stricter values: 1g 9.50 GiB = 9728 MiB (issue #31); 1g.20gb and 2g
+# 19.50 GiB = 19968 MiB (the 2g MIG devices of A100-SXM4-80GBs in NVIDIA/DCGM issue #152 and
+# XuehaiPan/nvitop PR #8 show 19968MiB); 3g/4g and 7g not published for those drivers: twice the
+# next smaller value (the strict rule below), 39936 and 79872 MiB.
 _A100_80 = (
-    _p("1g.10gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 14, 9984, (1, 0, 0, 0)),
-    _p("1g.10gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 14, 9984, (1, 1, 1, 1)),
-    _p("1g.20gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 14, 20096, (1, 1, 0, 0)),
-    _p("2g.20gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 28, 20096, (2, 1, 0, 0)),
-    _p("3g.40gb", _GI_3, 9, 3, 4, (0, 4), 2, 42, 40448, (3, 2, 0, 0)),
-    _p("4g.40gb", _GI_4, 5, 4, 4, (0,), 1, 56, 40448, (4, 2, 0, 0)),
-    _p("7g.80gb", _GI_7, 0, 7, 8, (0,), 1, 98, 81152, (7, 5, 1, 1)),
+    _p("1g.10gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 14, 9728, (1, 0, 0, 0)),
+    _p("1g.10gb+me", _GI_1_REV1, 20, 1, 1, _ALL_1G, 1, 14, 9728, (1, 1, 1, 1)),
+    _p("1g.20gb", _GI_1_REV2, 15, 1, 2, _EVEN, 4, 14, 19968, (1, 1, 0, 0)),
+    _p("2g.20gb", _GI_2, 14, 2, 2, (0, 2, 4), 3, 28, 19968, (2, 1, 0, 0)),
+    _p("3g.40gb", _GI_3, 9, 3, 4, (0, 4), 2, 42, 39936, (3, 2, 0, 0)),
+    _p("4g.40gb", _GI_4, 5, 4, 4, (0,), 1, 56, 39936, (4, 2, 0, 0)),
+    _p("7g.80gb", _GI_7, 0, 7, 8, (0,), 1, 98, 79872, (7, 5, 1, 1)),
 )
 _H100_80 = (
     _p("1g.10gb", _GI_1, 19, 1, 1, _ALL_1G, 7, 16, 9984, (1, 1, 1, 0)),

@@ -35,8 +35,9 @@ def test_checkpointed_jobs_keep_their_work(write_csv: Callable[[str], str], arri
         restores = sum(1 for tr in job.history if tr.state is JobState.PREEMPTED)
         checkpointed += restores
         assert all("checkpointed" in tr.reason for tr in job.history if tr.state is JobState.PREEMPTED)
-        # All its work was done once: time held = its duration + one restore per checkpoint.
-        assert abs(held - (train_s + restores * restore)) < 1e-3, (held, train_s, restores)
+        # All its work was done once: time held = its duration + at most one restore per checkpoint
+        # (a checkpoint during a restore cuts that restore short; nothing is ever redone).
+        assert train_s - 1e-3 <= held <= train_s + restores * restore + 1e-3, (held, train_s, restores)
     # The first interactive job always finds both GPUs taken by the trainer: something was checkpointed.
     assert checkpointed >= 1
 
