@@ -197,7 +197,8 @@ def show_text(result: ShowResult, now: float, tz: tzinfo | None = None) -> str:
         fields.append(("waiting for", result.waiting_reason))
     est = result.estimate
     if est is not None:
-        fields.append(("estimate", f"{format_duration(est.runtime_s)} ({est.source})"))
+        length = format_duration(est.runtime_s) if est.runtime_s >= 1 else f"{est.runtime_s:.1f} s"
+        fields.append(("estimate", f"{length} ({est.source})"))
         if est.expected_start_at is not None:
             fields.append(("est. start", f"{format_time(est.expected_start_at, tz)} "
                                          f"(in {format_duration(max(0.0, est.expected_start_at - now))})"))
