@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC
 
 import pytest
@@ -16,7 +17,15 @@ from gpusched.model import (
     Transition,
     WholeRequest,
 )
-from gpusched.protocol import CancelResult, GpuInfo, GpusResult, InstanceInfo, JobSummary, ShowResult
+from gpusched.protocol import (
+    CancelResult,
+    GpuInfo,
+    GpusResult,
+    InstanceInfo,
+    JobSummary,
+    RuntimeEstimate,
+    ShowResult,
+)
 from gpusched_cli import render
 from gpusched_cli.main import EXIT_JOB_CANCELLED, EXIT_JOB_LOST, EXIT_JOB_NOT_RUN, EXIT_JOB_TIMEOUT, job_exit_status
 
@@ -145,6 +154,19 @@ def test_show_text_of_pending_job_says_why_it_waits() -> None:
     assert "waiting for  no free 7g.80gb slot" in text
     assert "request      mig=7g.80gb" in text
     assert "result" not in text
+
+
+def test_show_text_gives_the_estimate_and_when_a_job_should_start() -> None:
+    job = _job(state=JobState.PENDING)
+    est = RuntimeEstimate(runtime_s=5400.0, source="your previous runs of this command",
+                          expected_start_at=T0 + 30 + 600)
+    text = render.show_text(ShowResult(job=job, estimate=est), now=T0 + 30, tz=UTC)
+    assert re.search(r"estimate +1:30:00 \(your previous runs of this command\)", text)
+    assert re.search(r"est\. start +2023-11-14 22:23:50 \(in 10:00\)", text)
+    short = RuntimeEstimate(runtime_s=0.3, source="previous jobs of this shape")
+    text = render.show_text(ShowResult(job=job, estimate=short), now=T0 + 30, tz=UTC)
+    assert re.search(r"estimate +0\.3 s \(previous jobs of this shape\)", text)
+    assert re.search(r"est\. start +unknown", text)
 
 
 def _gpu(index: int, **kw: object) -> GpuInfo:
