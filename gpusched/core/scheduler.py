@@ -321,13 +321,14 @@ class Scheduler:
                         self._head_id = job.id
                     if isinstance(job.spec.request, MigRequest):
                         mig_demand.append(job.spec.request.profile)
-                    self._reservation = self._reserve(cluster, job, now, reserved)
+                    fingerprint = cluster.fingerprint()  # what is held while the head blocks
+                    self._reservation = self._reserve(cluster, job, now, reserved, fingerprint)
                     doomed = self._mig_claim(snapshot, job)
                     if doomed:
                         self._reservation.uuids = self._reservation.uuids | doomed
                     self._blocked[job.id] = "next by fairness; " + self._need(job, cluster)
                     memo_key, memo_fails = self._fail_memo
-                    if memo_fails and memo_key == (cluster.fingerprint(), reserved, doomed, job.id):
+                    if memo_fails and memo_key == (fingerprint, reserved, doomed, job.id):
                         fails |= memo_fails  # nothing was freed since they failed: they fail again
                         remembered = True
                         self._park_remembered(head, fails, user_memo, mig_demand)
@@ -338,17 +339,9 @@ class Scheduler:
                     continue
                 if not cluster.has_room():
                     break
-                version = self.queue.version(user)
-                memo = self._user_memo.get(user)
-                if remembered and memo is not None and memo[0] == version and memo[1] <= fails:
-                    # Everything of theirs this pass would try failed last pass, and nothing has been
-                    # freed or queued for them since: their explanations from then still hold.
-                    user_memo[user] = memo
-                    for profile in memo[2]:  # their blocked MIG jobs still count as creation demand
-                        if len(mig_demand) < self.config.max_mig_demand:
-                            mig_demand.append(profile)
-                    self.queue.park(user)
+                if remembered and self._park_if_remembered(user, fails, user_memo, mig_demand):
                     continue
+                version = self.queue.version(user)
                 started = False
                 tried: set[object] = set()
                 wanted: list[str] = []
@@ -569,7 +562,8 @@ class Scheduler:
         elig = "eligible" if self.fair.is_eligible(job.user) else "no eligible user waiting"
         return f"fair share: {job.user} {elig}, earliest deadline (lag {lag_h:+.2f} GPU-h)"
 
-    def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str]) -> _Reservation:
+    def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
+                 fingerprint: tuple[object, ...]) -> _Reservation:
         """When would the blocked head fit, releasing active jobs in order of their expected end?
 
         The answer depends only on the head, what is held, the reserved devices and the expected
@@ -577,7 +571,7 @@ class Scheduler:
         """
         ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
                       for jid, rec in self._active.items() if jid in cluster.held)
-        key = (job.id, cluster.fingerprint(), reserved, tuple(ends), now if ends and ends[0][0] <= now else None)
+        key = (job.id, fingerprint, reserved, tuple(ends), now if ends and ends[0][0] <= now else None)
         cached = self._reserve_memo
         if cached is not None and cached[0] == key:
             r = cached[1]
@@ -679,14 +673,23 @@ class Scheduler:
         """Park, in one sweep, every user whose candidates all failed last pass with nothing freed
         or queued for them since; picking them one by one would rescan the order for each (O(u^2))."""
         for user in self.queue.users():
-            memo = self._user_memo.get(user)
-            if user == head.user or memo is None or memo[0] != self.queue.version(user) or not memo[1] <= fails:
-                continue
-            user_memo[user] = memo
-            for profile in memo[2]:
-                if len(mig_demand) < self.config.max_mig_demand:
-                    mig_demand.append(profile)
-            self.queue.park(user)
+            if user != head.user:
+                self._park_if_remembered(user, fails, user_memo, mig_demand)
+
+    def _park_if_remembered(self, user: str, fails: set[object],
+                            user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]],
+                            mig_demand: list[str]) -> bool:
+        """Park the user if everything of theirs this pass would try failed last pass, and nothing
+        has been freed or queued for them since (their explanations from then still hold)."""
+        memo = self._user_memo.get(user)
+        if memo is None or memo[0] != self.queue.version(user) or not memo[1] <= fails:
+            return False
+        user_memo[user] = memo
+        for profile in memo[2]:  # their blocked MIG jobs still count as creation demand
+            if len(mig_demand) < self.config.max_mig_demand:
+                mig_demand.append(profile)
+        self.queue.park(user)
+        return True
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
         """Devices kept for interactive work this pass (core/interactive.py)."""
