@@ -163,7 +163,6 @@ class Scheduler:
         self.queue = RunQueue(self.fair, expected=self.estimator.predict)
         self.incremental = incremental
         self._active: dict[int, _Active] = {}
-        self._rate: dict[str, float] = {}
         self._unused: dict[str, float] = {}  # user -> GPU-s committed by running jobs, not used yet
         self._running_jobs: dict[str, int] = {}
         self._failed: dict[int, str] = {}  # failed job id -> reason (until it leaves pending)
@@ -445,7 +444,7 @@ class Scheduler:
                 rec = _Active(job.user, job.uid, job.allocation.compute_fraction, max(started, first),
                               running, job.spec.requeue, started, job, job.allocation, self.estimator.predict(job))
                 self._active[job.id] = rec
-                self._add_rate(rec, +1)
+                self._count_running(rec, +1)
                 touched.add(job.user)
             if now > rec.last_charge:
                 if rec.running:
@@ -453,9 +452,7 @@ class Scheduler:
                     touched.add(rec.user)
                 rec.last_charge = now
             if running != rec.running:
-                self._add_rate(rec, -1)
                 rec.running = running
-                self._add_rate(rec, +1)
                 touched.add(rec.user)
         for jid in [j for j in self._active if j not in seen]:
             rec = self._active.pop(jid)
@@ -464,7 +461,7 @@ class Scheduler:
             if rec.committed > rec.used:  # settle: refund what was committed and not used
                 self.fair.charge(rec.user, 0.0, virtual_gpu_s=rec.used - rec.committed)
                 self._outstanding(rec.user, rec.used - rec.committed)
-            self._add_rate(rec, -1)
+            self._count_running(rec, -1)
             if self._preempting.pop(jid, None) is None:
                 self._times_preempted.pop(jid, None)  # ended for good
             touched.add(rec.user)
@@ -494,13 +491,11 @@ class Scheduler:
         """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""
         return rec.started + self.estimator.expected_total(rec.job, rec.predicted, now - rec.started)
 
-    def _add_rate(self, rec: _Active, sign: int) -> None:
+    def _count_running(self, rec: _Active, sign: int) -> None:
+        """Jobs holding devices per user: a user with one is active in FairShare even with none queued."""
         self._running_jobs[rec.user] = self._running_jobs.get(rec.user, 0) + sign
-        if rec.running:
-            self._rate[rec.user] = max(0.0, self._rate.get(rec.user, 0.0) + sign * rec.fraction)
         if self._running_jobs[rec.user] <= 0:
             del self._running_jobs[rec.user]
-            self._rate.pop(rec.user, None)
         if sign > 0 and not self.fair.is_active(rec.user):
             self.fair.activate(rec.user, rec.uid)
 
@@ -551,7 +546,7 @@ class Scheduler:
                       predicted)
         rec.committed = self.fair.commitment(request_fraction(job.spec.request), predicted)
         self._active[job.id] = rec
-        self._add_rate(rec, +1)
+        self._count_running(rec, +1)
         self.fair.charge(job.user, 0.0, virtual_gpu_s=rec.committed)
         self._outstanding(job.user, rec.committed)
         self._sync_user(job.user)
