@@ -94,15 +94,18 @@ def measure(d: h.DaemonProc, queued: int, window_s: float) -> Footprint:
     return result
 
 
-def fill(d: h.DaemonProc, target: int, have: int, clients: int, steps: int) -> None:
+def fill(d: h.DaemonProc, target: int, have: int, clients: int, steps: int, distinct: bool = False) -> None:
     """Submit up to `target` pending jobs in `steps` chunks, printing the rate of each chunk.
 
-    The rate per chunk shows whether submitting gets slower as the queue grows.
+    The rate per chunk shows whether submitting gets slower as the queue grows. With `distinct`
+    every job has its own argv (`true 17`), as in a sweep submitted job by job, so nothing but the
+    environment and the request can be shared; otherwise all are the same spec, as an array's tasks.
     """
-    job = h.spec(["true"], gpus=1)
+    same = h.spec(["true"], gpus=1)
     chunk = max(1, (target - have + steps - 1) // steps)
     while have < target:
         n = min(chunk, target - have)
+        job = (lambda k, base=have: h.spec(["true", str(base + k)], gpus=1)) if distinct else same
         elapsed, _ = h.submit_concurrently(d.socket, job, n, clients)
         have += n
         print(f"  queued {have:>7}: last {n} submits at {n / elapsed:7.0f}/s ({elapsed:.1f} s)", flush=True)
@@ -148,12 +151,15 @@ def main() -> int:
                         help="queue depths to measure, comma-separated (default 10000,100000)")
     parser.add_argument("--window", type=float, default=None, help="idle CPU window in seconds (default 5)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent submitting connections")
+    parser.add_argument("--distinct", action="store_true",
+                        help="every job its own argv (a sweep submitted job by job), not one spec for all")
     args = parser.parse_args()
     sizes = args.sizes or ([1000, 2000] if args.quick else [10_000, 100_000])
     window = args.window or (1.0 if args.quick else 5.0)
 
     print(h.machine_line())
-    print(f"daemon: gpuschedd --sim {h.SIM}; idle window {window:g} s; fill with {args.clients} clients")
+    print(f"daemon: gpuschedd --sim {h.SIM}; idle window {window:g} s; fill with {args.clients} clients; "
+          f"{'a distinct argv per job' if args.distinct else 'one spec for every job'}")
     d = h.DaemonProc(h.short_tmpdir("gbf-"))
     try:
         d.start()
@@ -161,7 +167,7 @@ def main() -> int:
         start_blocker(d)
         have = 0
         for size in sorted(sizes):
-            fill(d, size, have, args.clients, steps=2 if args.quick else 10)
+            fill(d, size, have, args.clients, steps=2 if args.quick else 10, distinct=args.distinct)
             have = size
             results.append(measure(d, size, window))
         print()

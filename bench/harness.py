@@ -139,8 +139,10 @@ def submit_one(client: Client, job: JobSpec) -> int:
     return client.call(SubmitRequest(spec=job), SubmitResult).job_id
 
 
-def submit_concurrently(socket_path: str, job: JobSpec, total: int, clients: int) -> tuple[float, list[int]]:
+def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec], total: int,
+                        clients: int) -> tuple[float, list[int]]:
     """`total` submits spread over `clients` threads, each on its own connection (connected first).
+    `job` is one spec for all, or a function from the submit's number (0..total-1) to its spec.
 
     Returns (seconds from the first submit to the last ack, job ids). Threads, not processes:
     each blocks in recv() while the daemon works, so the GIL is not what limits the rate.
@@ -156,7 +158,8 @@ def submit_concurrently(socket_path: str, job: JobSpec, total: int, clients: int
     def work(i: int) -> None:
         start.wait()
         try:
-            ids[i] = [submit_one(conns[i], job) for _ in range(per[i])]
+            first = sum(per[:i])
+            ids[i] = [submit_one(conns[i], job if isinstance(job, JobSpec) else job(first + n)) for n in range(per[i])]
         except BaseException as exc:
             errors.append(exc)
 

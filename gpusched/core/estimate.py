@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
-_MEMO_MAX = 200_000  # memoised estimates kept before the memo is cleared
+_MEMO_MAX = 8192  # memoised estimates (and key tuples) kept before the memo is cleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +65,7 @@ def shape_key(request: WholeRequest | MigRequest | ShareRequest) -> str:
     return f"share={request.fraction:.2f}"
 
 
-def _keys(job: Job) -> tuple[str, ...]:
-    cmd = command_key(job)
-    shape = shape_key(job.spec.request)
-    user = job.user
+def _keys(user: str, cmd: str, shape: str) -> tuple[str, ...]:
     return (f"u\x00{user}\x00{cmd}", f"c\x00{cmd}", f"s\x00{user}\x00{shape}", f"S\x00{shape}", "*")
 
 
@@ -94,18 +91,18 @@ class RuntimeEstimator:
         # versions of the keys they were read from, so a job's end invalidates only the estimates
         # that depend on its own keys.
         self._versions: dict[str, int] = {}
-        self._job_keys: dict[int, tuple[str, ...]] = {}
-        self._memo: dict[int, tuple[tuple[int, ...], Estimate]] = {}
+        # Memoised per (keys, time limit), not per job, and bounded: a pass asks only for the heads of
+        # the users' queues, so 100k queued jobs need no entry each here (a miss costs microseconds).
+        self._key_tuples: dict[tuple[str, str, str], tuple[str, ...]] = {}
+        self._job_keys: dict[int, tuple[str, ...]] = {}  # the jobs asked about lately (the heads, mostly)
+        self._memo: dict[tuple[tuple[str, ...], float | None], tuple[tuple[int, ...], Estimate]] = {}
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
         if runtime_s < 0 or runtime_s != runtime_s:  # negative or NaN: a clock jump, not a run time
             return
-        for key in _keys(job):
+        for key in _keys(job.user, command_key(job), shape_key(job.spec.request)):
             self._remember(key, runtime_s)
-        if len(self._memo) > _MEMO_MAX:
-            self._memo.clear()
-            self._job_keys.clear()
 
     def _remember(self, key: str, runtime_s: float) -> None:
         self._versions[key] = self._versions.get(key, 0) + 1
@@ -126,13 +123,24 @@ class RuntimeEstimator:
         """Expected run time of a job that has not started: history, capped by its time limit."""
         keys = self._job_keys.get(job.id)
         if keys is None:
-            keys = self._job_keys[job.id] = _keys(job)
+            parts = (job.user, command_key(job), shape_key(job.spec.request))
+            keys = self._key_tuples.get(parts)
+            if keys is None:
+                if len(self._key_tuples) >= _MEMO_MAX:
+                    self._key_tuples.clear()
+                keys = self._key_tuples[parts] = _keys(*parts)
+            if len(self._job_keys) >= _MEMO_MAX:
+                self._job_keys.clear()
+            self._job_keys[job.id] = keys
         versions = tuple(self._versions.get(k, 0) for k in keys)
-        memo = self._memo.get(job.id)
+        memo_key = (keys, job.spec.time_limit_s)
+        memo = self._memo.get(memo_key)
         if memo is not None and memo[0] == versions:
             return memo[1]
         answer = self._estimate(job, keys)
-        self._memo[job.id] = (versions, answer)
+        if len(self._memo) >= _MEMO_MAX:
+            self._memo.clear()
+        self._memo[memo_key] = (versions, answer)
         return answer
 
     def _estimate(self, job: Job, keys: tuple[str, ...]) -> Estimate:

@@ -26,6 +26,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gpusched.construct import construct, fields_of
 from gpusched.gpu.backend import Gpu
 from gpusched.gpu.profiles import MODELS
 from gpusched.model import (
@@ -389,16 +390,21 @@ def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: b
     return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
 
 
+_DEVICE_FIELDS = fields_of(AllocatedDevice)
+_ALLOCATION_FIELDS = fields_of(Allocation)
+
+
 def _alloc_dev(d: DeviceUse) -> AllocatedDevice:
-    # model_construct: these values come from our own device table, and a pass proposes hundreds of
+    # construct: these values come from our own device table, and a pass proposes hundreds of
     # allocations (most never used), so pydantic validation was a tenth of the pass.
-    return AllocatedDevice.model_construct(uuid=d.uuid, gpu_index=d.gpu_index, kind=d.kind, profile=d.profile)
+    return construct(AllocatedDevice, _DEVICE_FIELDS,
+                     {"uuid": d.uuid, "gpu_index": d.gpu_index, "kind": d.kind, "profile": d.profile})
 
 
 def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, str], *,
                 share: float | None = None, gpu_mem_mib: int | None = None) -> Allocation:
-    return Allocation.model_construct(devices=devices, compute_fraction=fraction, share=share,
-                                      gpu_mem_mib=gpu_mem_mib, env=env)
+    return construct(Allocation, _ALLOCATION_FIELDS, {"devices": devices, "compute_fraction": fraction,
+                                                      "share": share, "gpu_mem_mib": gpu_mem_mib, "env": env})
 
 
 def offered_profiles(gpu: Gpu) -> set[str]:

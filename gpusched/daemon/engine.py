@@ -835,7 +835,8 @@ class Engine:
         return updated
 
     def _count_waiting(self, job: Job, delta: int) -> None:
-        for counts, step in ((self._waiting_by_uid, delta), (self._waiting_bytes_by_uid, delta * spec_bytes(job.spec))):
+        size = self.store.compactor.spec_bytes(job.spec)
+        for counts, step in ((self._waiting_by_uid, delta), (self._waiting_bytes_by_uid, delta * size)):
             count = counts.get(job.uid, 0) + step
             if count > 0:
                 counts[job.uid] = count

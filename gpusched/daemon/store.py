@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from gpusched.daemon.compact import Compactor
 from gpusched.model import (
     TERMINAL_STATES,
     TRANSITIONS,
@@ -100,6 +101,8 @@ class SummaryRow(NamedTuple):
 # allocations only, and parsing 256 KiB specs by the thousand is what made `stats` slow).
 NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
 
+_LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite's host-parameter limit)
+
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
                     "display, request")
 
@@ -111,6 +114,7 @@ class StoreReader:
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
+        self.compactor = Compactor()
 
     @classmethod
     def open(cls, path: str) -> StoreReader:
@@ -176,12 +180,18 @@ class StoreReader:
             f" exit_code, signal, reason, allocation, pid FROM jobs {where}",
             args,
         )
-        rows = cur.fetchall()
+        # In chunks: 100k rows of spec text held at once would be freed after the load, but would
+        # leave the daemon's heap that much bigger for the rest of its life.
+        while rows := cur.fetchmany(_LOAD_CHUNK):
+            yield from self._jobs(rows, with_spec)
+
+    def _jobs(self, rows: list[Any], with_spec: bool) -> Iterator[Job]:
         histories = self._histories([r[0] for r in rows])
+        compact = self.compactor
         for r in rows:
-            yield Job(
+            yield compact.job(
                 id=r[0], uid=r[1], gid=r[2], user=r[3],
-                spec=JobSpec.model_validate_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
+                spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
                 submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
                 allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
                 history=histories.get(r[0], []),
@@ -196,7 +206,7 @@ class StoreReader:
                 f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
                 chunk,
             ):
-                out.setdefault(job_id, []).append(Transition(state=JobState(state), at=at, reason=reason))
+                out.setdefault(job_id, []).append(self.compactor.transition(JobState(state), at, reason))
         return out
 
     def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
@@ -267,11 +277,12 @@ class Store(StoreReader):
 
     def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted") -> Job:
         """Insert a PENDING job and its first transition in one transaction; returns the stored job."""
+        stored = spec.model_dump_json()
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, spec.model_dump_json(), JobState.PENDING.value, now, reason, display_name(spec),
+                (uid, gid, user, stored, JobState.PENDING.value, now, reason, display_name(spec),
                  describe_request(spec.request)),
             )
             job_id = cur.lastrowid
@@ -280,9 +291,10 @@ class Store(StoreReader):
                 "INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, 0, ?, ?, ?)",
                 (job_id, JobState.PENDING.value, now, reason),
             )
-        return Job(
-            id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=JobState.PENDING, submitted_at=now,
-            reason=reason, history=[Transition(state=JobState.PENDING, at=now, reason=reason)],
+        compact = self.compactor
+        return compact.job(
+            id=job_id, uid=uid, gid=gid, user=user, spec=compact.spec(spec, stored), state=JobState.PENDING,
+            submitted_at=now, reason=reason, history=[compact.transition(JobState.PENDING, now, reason)],
         )
 
     def transition(self, job: Job, new: JobState, *, now: float, reason: str, **fields: Any) -> Job:

@@ -1,0 +1,133 @@
+"""The in-memory form of jobs (daemon/compact.py): equal to what validation builds, parts shared."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpusched.daemon import compact
+from gpusched.daemon.compact import Compactor, _Table
+from gpusched.daemon.store import Store
+from gpusched.model import Dependency, Job, JobSpec, JobState, MigRequest, ShareRequest, WholeRequest, spec_bytes
+
+_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=12)
+_requests = st.one_of(
+    st.builds(WholeRequest, gpus=st.integers(1, 8)),
+    st.builds(MigRequest, profile=st.sampled_from(["1g.10gb", "3g.40gb", "1g.20gb+me"])),
+    st.builds(ShareRequest, fraction=st.floats(0.01, 1.0), gpu_mem_mib=st.integers(1, 80_000)),
+)
+_specs = st.builds(
+    JobSpec,
+    argv=st.lists(_text, min_size=1, max_size=4),
+    cwd=_text.map(lambda t: "/" + t),
+    env=st.dictionaries(_text, _text, max_size=4),
+    request=_requests,
+    name=st.none() | _text,
+    time_limit_s=st.none() | st.floats(0.5, 1e6),
+    job_class=st.sampled_from(["batch", "interactive"]),
+    nice=st.integers(0, 19),
+    requeue=st.booleans(),
+    precision=st.none() | st.sampled_from(["fp16", "bf16", "fp32", "tf32"]),
+    after=st.lists(st.builds(Dependency, job_id=st.integers(1, 10**6), condition=st.sampled_from(["ok", "any"])),
+                   max_size=2),
+    cpus=st.none() | st.integers(1, 64),
+    mem_mib=st.none() | st.integers(1, 10**6),
+)
+
+
+def _validated(job: Job) -> Job:
+    return Job.model_validate(job.model_dump())
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=_specs)
+def test_a_loaded_job_is_the_job_validation_would_build(tmp_path_factory, spec: JobSpec) -> None:  # type: ignore[no-untyped-def]
+    store = Store(os.path.join(tmp_path_factory.mktemp("db"), "state.db"))
+    try:
+        submitted = store.submit(uid=1000, gid=1000, user="alice", spec=spec, now=5.0)
+        loaded = store.get(submitted.id)
+        assert loaded is not None
+        for job in (submitted, loaded):
+            assert job == _validated(job)
+            assert job.model_dump_json() == _validated(job).model_dump_json()
+            assert job.spec == spec
+        moved = store.transition(loaded, JobState.STARTING, now=6.0, reason="placed", pid=None)
+        assert moved.state is JobState.STARTING and loaded.state is JobState.PENDING
+        assert moved == _validated(moved)
+    finally:
+        store.close()
+
+
+def test_jobs_with_the_same_spec_share_it_and_different_specs_share_their_parts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = Store(str(tmp_path / "state.db"))
+    env = {"PATH": "/usr/bin", "HOME": "/home/alice"}
+    same = JobSpec(argv=["train.py"], cwd="/work", env=dict(env), request=WholeRequest(gpus=1))
+    other = JobSpec(argv=["train.py", "--lr", "3"], cwd="/work", env=dict(env), request=WholeRequest(gpus=1))
+    try:
+        a, b, c = (store.submit(uid=1000, gid=1000, user="alice", spec=s, now=1.0) for s in (same, same, other))
+        assert a.spec is b.spec
+        assert a.spec is not c.spec and a.spec.env is c.spec.env and a.spec.request is c.spec.request
+        assert a.spec.cwd is c.spec.cwd
+        # A restart loads them with the same sharing.
+        loaded = Store(str(tmp_path / "state.db")).jobs_in([JobState.PENDING])
+        assert loaded[0].spec is loaded[1].spec and loaded[0].spec.env is loaded[2].spec.env
+    finally:
+        store.close()
+
+
+def test_a_copy_never_changes_what_other_jobs_share(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Constructed jobs share one fields-set object; pydantic must copy it before changing it."""
+    store = Store(str(tmp_path / "state.db"))
+    try:
+        job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
+            gpus=1)), now=1.0)
+        before = set(compact._JOB_SET)
+        job.model_copy(update={"pid": 7})
+        assert before == compact._JOB_SET
+        assert job.pid is None
+    finally:
+        store.close()
+
+
+def test_a_spec_stored_by_an_older_version_goes_through_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = Store(str(tmp_path / "state.db"))
+    try:
+        job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
+            gpus=2)), now=1.0)
+        old = json.loads(job.spec.model_dump_json())
+        del old["precision"], old["cpus"]  # fields this version added
+        store._db.execute("UPDATE jobs SET spec = ? WHERE id = ?", (json.dumps(old), job.id))
+        fresh = Store(str(tmp_path / "state.db"))
+        loaded = fresh.get(job.id)
+        assert loaded is not None and loaded.spec.precision is None and loaded.spec.cpus is None
+        assert loaded == _validated(loaded)
+        fresh.close()
+    finally:
+        store.close()
+
+
+def test_the_sharing_tables_are_bounded() -> None:
+    table: _Table[str, str] = _Table(2)
+    for key in ("a", "b", "c"):
+        table.share(key, key)
+    assert list(table) == ["b", "c"]
+    assert table.share("b", "other") == "b" and list(table) == ["c", "b"]  # a hit is the most recent
+
+
+def test_the_shared_spec_table_is_bounded_by_its_capacity() -> None:
+    compactor = Compactor(capacity=3)
+    for i in range(10):
+        spec = JobSpec(argv=["x", str(i)], cwd="/", request=WholeRequest(gpus=1))
+        compactor.spec(spec, spec.model_dump_json())
+    assert len(compactor._specs) == 3 and len(compactor._argvs) == 3
+
+
+def test_spec_bytes_are_counted_once_per_shared_spec_and_right_for_each() -> None:
+    compactor = Compactor(capacity=2)
+    specs = [JobSpec(argv=["x" * n], cwd="/", request=WholeRequest(gpus=1)) for n in (1, 10, 100)]
+    for spec in specs * 2:  # the third evicts the first: sizes stay right after eviction
+        assert compactor.spec_bytes(spec) == spec_bytes(spec)
+    assert len(compactor._sizes) == 2
