@@ -173,7 +173,8 @@ def spec_bytes(spec: JobSpec) -> int:
     strings = [*spec.argv, spec.cwd, *(f"{k}={v}" for k, v in spec.env.items())]
     if spec.name is not None:
         strings.append(spec.name)
-    return sum(utf8_len(s) + SPEC_STRING_OVERHEAD for s in strings)
+    # One join and one encode, not one per string: a restart counts this for every queued job.
+    return utf8_len("".join(strings)) + SPEC_STRING_OVERHEAD * len(strings)
 
 
 class AllocatedDevice(_Frozen):

@@ -34,7 +34,7 @@ from gpusched.core.scheduler import (
 from gpusched.daemon.cgroups import CgroupManager
 from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
-from gpusched.daemon.executor import Executor, ExitStatus
+from gpusched.daemon.executor import NEVER_LAUNCHED, Executor, ExitStatus, Trace
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
@@ -630,13 +630,15 @@ class Engine:
 
     async def _recover(self) -> None:
         """Explicit restart rules (daemon/recovery.py) for every unfinished job; none can stop the start."""
+        launched = self.executor.launched()
         for job in list(self.jobs.values()):
-            self._recover_job(job)
+            self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
 
-    def _recover_job(self, job: Job) -> None:
-        """Apply the restart rule for one job; whatever goes wrong ends that job, never the daemon."""
+    def _recover_job(self, job: Job, trace: Trace | None = None) -> None:
+        """Apply the restart rule for one job; whatever goes wrong ends that job, never the daemon.
+        `trace`: what is known already (NEVER_LAUNCHED for a job with no directory at start-up)."""
         try:
-            trace = self.executor.inspect(job.id)
+            trace = trace or self.executor.inspect(job.id)
             rule = decide(job.state, trace)
             if rule.kill:
                 self.executor.kill_job(job.id)

@@ -38,7 +38,7 @@ from gpusched.config import DaemonConfig
 from gpusched.core.scheduler import Scheduler
 from gpusched.daemon import shim
 from gpusched.daemon.engine import Engine
-from gpusched.daemon.executor import Executor, ExitStatus, Record, kill_recorded_jobs
+from gpusched.daemon.executor import NEVER_LAUNCHED, Executor, ExitStatus, Record, kill_recorded_jobs
 from gpusched.daemon.main import scheduler_config
 from gpusched.daemon.procfs import lock_holder
 from gpusched.daemon.recovery import StopRequest, Verdict, decide, outcome, path_to
@@ -315,3 +315,13 @@ def test_revoke_refuses_while_a_shim_holds_the_launch(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_job_without_a_directory_reads_as_never_launched(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Start-up skips reading jobs that `Executor.launched` does not list; what it assumes for them
+    must be exactly what reading them would find."""
+    executor = Executor(str(tmp_path))
+    os.makedirs(executor.job_dir(7))
+    assert executor.launched() == {7}
+    assert executor.inspect(8) == NEVER_LAUNCHED
+    assert decide(JobState.PENDING, NEVER_LAUNCHED).kill is False
