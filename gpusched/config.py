@@ -179,6 +179,19 @@ class DaemonConfig(BaseModel):
         default=30.0, gt=0.0, le=3600.0, description="a job not exec'd this long after its launch began is "
         "killed and ends FAILED (its user controls that time)"
     )
+    checkpoint: bool = Field(
+        default=True, description="preempt whole-GPU jobs by checkpointing them with cuda-checkpoint (driver r550+; "
+        "simulated on --sim) so they lose no work, when the program is available; off: preemption only requeues "
+        "--requeue jobs"
+    )
+    checkpoint_binary: str | None = Field(
+        default=None, max_length=4096, description="the cuda-checkpoint program (default: `cuda-checkpoint` in PATH; "
+        "the simulated one on --sim)"
+    )
+    checkpoint_timeout_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0, description="deadline of each cuda-checkpoint run; a checkpoint that passes "
+        "it is rolled back and the job runs on"
+    )
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     client_idle_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="close a connection that sends no request for this long after "

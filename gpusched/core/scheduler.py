@@ -194,6 +194,7 @@ class Scheduler:
         self._headroom: frozenset[str] = frozenset()
         self._budget = LossBudget(self.config.preempt_budget_gpu_s)
         self._pinned: dict[int, frozenset[str]] = {}  # checkpointed job -> the devices it resumes on
+        self._no_checkpoint: set[int] = set()  # running jobs the engine could not checkpoint
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
@@ -252,6 +253,18 @@ class Scheduler:
         self.queue.submit(job)
         if job.spec.job_class == "interactive":
             self._interactive_pending[job.id] = request_fraction(job.spec.request)
+
+    def pin(self, job_id: int, uuids: Iterable[str]) -> None:
+        """A checkpointed job (submitted like a pending one) resumes only on these devices: they hold
+        its state. For jobs checkpointed before a restart; a preemption in this scheduler pins itself."""
+        self._pinned[job_id] = frozenset(uuids)
+
+    def preempt_failed(self, job_id: int) -> None:
+        """The engine could not carry out a checkpoint preemption: the job runs on where it was. It is
+        not offered for checkpointing again (a requeue job may still be requeued)."""
+        self._preempting.pop(job_id, None)
+        self._pinned.pop(job_id, None)
+        self._no_checkpoint.add(job_id)
 
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
@@ -462,6 +475,7 @@ class Scheduler:
                 self.fair.charge(rec.user, 0.0, virtual_gpu_s=rec.used - rec.committed)
                 self._outstanding(rec.user, rec.used - rec.committed)
             self._count_running(rec, -1)
+            self._no_checkpoint.discard(jid)
             if self._preempting.pop(jid, None) is None:
                 self._times_preempted.pop(jid, None)  # ended for good
             touched.add(rec.user)
@@ -763,7 +777,7 @@ class Scheduler:
             # An interactive job's victims stand on its headroom, where no batch job starts anew.
             if rec.started >= now or (not interactive and now - rec.started < self.config.preempt_min_run_s):
                 continue
-            if checkpoint and whole and rec.running:
+            if checkpoint and whole and rec.running and jid not in self._no_checkpoint:
                 cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
             elif rec.requeue and self._budget.left(rec.user, now) >= lost:
                 cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))

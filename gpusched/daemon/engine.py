@@ -32,15 +32,17 @@ from gpusched.core.scheduler import (
     unsatisfiable_reason,
 )
 from gpusched.daemon.cgroups import CgroupManager
+from gpusched.daemon.checkpointing import Checkpoints
 from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import NEVER_LAUNCHED, Executor, ExitStatus, Trace
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
-from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, describe, gpu_memory_by_job
+from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, cuda_pids, describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
 from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome, path_to
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory, XidEvent
+from gpusched.gpu.checkpoint import CheckpointError
 from gpusched.gpu.health import HealthAction
 from gpusched.model import (
     ACTIVE_STATES,
@@ -86,6 +88,9 @@ class Engine:
         self.metrics = Metrics()  # hooks for what /metrics cannot read from state (daemon/counters.py)
         self.devices = DeviceManager(store, backend, config.health_auto_resume_s)
         self.launcher = Launcher(config, executor, cgroups)
+        self.checkpoints = Checkpoints.from_config(
+            store, enabled=config.checkpoint, binary=config.checkpoint_binary, timeout_s=config.checkpoint_timeout_s,
+            sim=config.sim is not None, state_dir=config.state_dir)
         self.jobs: dict[int, Job] = {}
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
@@ -196,6 +201,7 @@ class Engine:
             self.inventory = await asyncio.to_thread(self.backend.inventory)
         except GpuError as exc:
             log.error("cannot read GPU inventory: %s", exc.message)
+        self.checkpoints.driver_version = self.inventory.driver_version or None  # r550+ for cuda-checkpoint
 
     # ---- requests from handlers ----------------------------------------------------------------
 
@@ -280,6 +286,8 @@ class Engine:
         job = self.jobs.get(job.id, job)
         if job.state is not JobState.SUSPENDED or not job.pid:
             return f"job is {job.state}, not SUSPENDED"
+        if self.checkpoints.holds(job):
+            return "job is checkpointed (its GPU was given to another job); it resumes when the scheduler gives it back"
         self.executor.signal(job.pid, signal.SIGCONT)
         self._set(job, JobState.RUNNING, reason)
         return None
@@ -418,12 +426,13 @@ class Engine:
         return Snapshot(
             gpus=self.inventory.gpus,
             pending=pending,
-            active=tuple(self.jobs[i] for i in sorted(self._active)),
+            active=tuple(j for i in sorted(self._active) if (j := self.jobs[i]).allocation is not None),
             unschedulable=self.devices.unschedulable(self.inventory),
             share_modes=self.share_modes(),
             dynamic=self.dynamic_gpus(),
             mps_owner=self._mps_owners(),
             reserved_interactive=self._reserved_interactive(),
+            checkpoint=self.checkpoints.enabled,
         )
 
     def active_jobs(self) -> list[Job]:
@@ -499,10 +508,20 @@ class Engine:
                 self._enqueue(job)
 
     def requeue_all(self) -> None:
-        """Hand every pending job to a fresh scheduler, in submission order (start-up, reload)."""
+        """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
+        the checkpointed ones pinned to the GPUs that hold their state."""
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
+            elif self.checkpoints.holds(job) and self._incremental:
+                self.scheduler.pin(job.id, self.checkpoints.pinned[job.id])
+                self.scheduler.submit(job)
+            elif job.id in self.checkpoints.pinned and job.state is JobState.SUSPENDED:
+                self._spawn(self._restore(job))  # the daemon stopped while restoring it: finish that
+                continue
+        for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.pinned)
+                       if j is None or j.state is not JobState.SUSPENDED]:
+            self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down
 
     def _ready(self, job: Job) -> bool:
         return all(self._dependency_status(d) for d in job.spec.after)
@@ -542,7 +561,9 @@ class Engine:
                 self._set(job, JobState.FAILED, action.reason, ended_at=self.clock())
         elif isinstance(action, PreemptJob):
             job = self.jobs.get(action.job_id)
-            if job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
+            if job is not None and action.mode == "checkpoint":
+                self._spawn(self._checkpoint(job, action.reason))
+            elif job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
                 self._request_stop(job, StopRequest(JobState.PREEMPTED, action.reason))
         elif isinstance(action, CreateInstance):
             if await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start):
@@ -572,6 +593,10 @@ class Engine:
         """Commit STARTING with the devices, then launch off the pass: nothing a job's user controls
         (everything between the shim's fork and the job's exec runs as that user) can stall it."""
         job = self.jobs.get(action.job_id)
+        if job is not None and self.checkpoints.holds(job):
+            job = self.jobs[job.id] = self.store.update(job, allocation=action.allocation)  # held from now on
+            self._spawn(self._restore(job))
+            return
         if job is None or job.state is not JobState.PENDING:
             return
         now = self.clock()
@@ -608,6 +633,53 @@ class Engine:
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
         await self._reap(job.id)
+
+    async def _checkpoint(self, job: Job, reason: str) -> None:
+        """Preempt by checkpoint (daemon/checkpointing.py): the job keeps its processes and its work,
+        gives up its GPU, and waits pinned to it. Any failure leaves it running where it was."""
+        why_not = self.checkpoints.why_not(job)
+        if why_not is None and job.id in self._stops:
+            why_not = "job is being stopped"
+        if why_not is None:
+            try:
+                pids = await asyncio.to_thread(cuda_pids, self.backend, job)
+                await self.checkpoints.checkpoint(job, pids)
+            except CheckpointError as exc:
+                why_not = f"{exc.message} (its CUDA state: {exc.state or 'unknown'})"
+        current = self.jobs.get(job.id)
+        if why_not is None and (current is None or current.state is not JobState.RUNNING):
+            why_not = "it changed state while being checkpointed"  # it ended; its end releases the GPU
+            self.checkpoints.forget(job.id)
+        if why_not is not None or current is None:
+            log.warning("job %d: not preempted by checkpoint: %s", job.id, why_not)
+            self.store.add_event(Event(at=self.clock(), kind="checkpoint_failed", job_id=job.id,
+                                       message=f"not checkpointed, runs on: {why_not}"))
+            self.scheduler.preempt_failed(job.id)
+            self.wake()
+            return
+        current = self._set(current, JobState.SUSPENDED, reason, allocation=None)
+        self.scheduler.pin(current.id, self.checkpoints.pinned[current.id])
+        self.scheduler.submit(current)
+        self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
+                                   message=f"checkpointed; its GPU state waits in host memory: {reason}"))
+        self.wake()
+
+    async def _restore(self, job: Job) -> None:
+        """Give a checkpointed job its GPU state back on the devices it was given (the pinned ones)."""
+        try:
+            await self.checkpoints.restore(job)
+        except CheckpointError as exc:
+            current = self.jobs.get(job.id)
+            if current is not None and current.state is JobState.SUSPENDED:
+                final = JobState.PREEMPTED if current.spec.requeue else JobState.FAILED
+                self._request_stop(current, StopRequest(final, f"restore from checkpoint failed: {exc.message}"))
+            return
+        finally:
+            self.checkpoints.forget(job.id)
+        current = self.jobs.get(job.id)
+        if current is not None and current.state is JobState.SUSPENDED and current.id not in self._stops:
+            self._set(current, JobState.RUNNING, "restored from checkpoint on the devices that held its state")
+        self.wake()
 
     def _on_pid(self, job_id: int, pid: int) -> None:
         """The shim has forked the job: a stop requested meanwhile can reach it now (even unexec'd)."""
@@ -758,7 +830,8 @@ class Engine:
         """
         now = self.clock()
         suspended = {j.pid: j for j in self.active_jobs() if j.state is JobState.SUSPENDED and j.pid
-                     and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S}
+                     and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S
+                     and j.id not in self.checkpoints.pinned}
         for sid, states in session_states(suspended).items():
             if is_running(states):
                 self._set(suspended[sid], JobState.RUNNING, "continued by a signal gpusched did not send while "
@@ -831,6 +904,9 @@ class Engine:
         elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
             self._awaiting_deps.discard(job.id)
             self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
+        if state in TERMINAL_STATES and job.id in self.checkpoints.pinned:
+            self.checkpoints.forget(job.id)
+            self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
         if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
             self._write_job_mapping()
         self._notify()

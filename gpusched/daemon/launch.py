@@ -172,6 +172,19 @@ def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job]) -> dict[int, int]:
     return used
 
 
+def cuda_pids(backend: GpuBackend, job: Job) -> list[int]:
+    """The job's processes that NVML lists on its devices (in its session), for cuda-checkpoint; the
+    job's own process when NVML lists none (simulated GPUs run no CUDA). Blocking: run it off the loop."""
+    found: set[int] = set()
+    for uuid in job.allocation.uuids if job.allocation is not None else ():
+        try:
+            procs = backend.processes(uuid)
+        except GpuError:
+            continue
+        found.update(p.pid for p in procs if job.pid and session_of(p.pid) == job.pid)
+    return sorted(found) or ([job.pid] if job.pid else [])
+
+
 def mps_control_binary(config: DaemonConfig) -> str:
     """The configured MPS control program; on simulated GPUs, the simulated one (gpu/simmps.py)."""
     if config.mps_control is not None:

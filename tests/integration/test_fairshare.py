@@ -203,8 +203,10 @@ def _spec_msg(argv: list[str], request: Any, **fields: Any) -> dict[str, Any]:
 def test_interactive_users_get_a_gpu_from_a_backlogged_trainer(daemon_factory: Any) -> None:
     """Issue 11, the seed's story in the live daemon: a trainer's --requeue jobs hold every GPU; an
     interactive share preempts one (the headroom), and a second user's interactive share joins it
-    on the same device under its own MPS server, while the trainer's backlog waits."""
-    daemon = daemon_factory(sim="H100-80GB:2", gpus={"0": GpuConfig(share="mps"), "1": GpuConfig(share="mps")})
+    on the same device under its own MPS server, while the trainer's backlog waits. Checkpointing
+    off: the victim is requeued (test_checkpoint.py has the same story with nothing lost)."""
+    daemon = daemon_factory(sim="H100-80GB:2", gpus={"0": GpuConfig(share="mps"), "1": GpuConfig(share="mps")},
+                            checkpoint=False)
     trainer = [r["result"]["job_id"] for r in as_user(20010, daemon.socket, *[
         _spec_msg(["sleep", "120"], WholeRequest(gpus=1), requeue=True, name="train") for _ in range(3)])]
     with daemon.client() as c:
