@@ -102,6 +102,11 @@ class SchedulerSection(BaseModel):
         default=4 * 3600.0, ge=0, description="work (GPU-seconds) a user's --requeue jobs may lose to preemption "
         "per day; a job whose loss would exceed what is left is not requeued",
     )
+    preempt_suspend_shares: bool = Field(
+        default=True, description="preempt a share on an MPS or time-sliced device by suspending it in place "
+        "(SIGSTOP): it keeps its GPU memory and slot, gives up its compute, and continues when the compute is free "
+        "again; nothing is lost",
+    )
     interactive_window_s: float = Field(
         default=3600.0, ge=0, description="while interactive jobs were seen this recently, devices are kept for them"
     )

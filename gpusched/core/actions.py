@@ -21,7 +21,9 @@ class Snapshot:
     Added in v2 (all optional): `share_modes` device UUID -> exclusive|mps|timeslice (absent means
     exclusive); `dynamic` GPU indices whose MIG layout the scheduler may change; `mps_owner` device
     UUID -> uid of the MPS server running there now; `reserved_interactive` device UUIDs that only
-    interactive jobs may be given; `checkpoint` whether preemption may checkpoint whole-GPU jobs.
+    interactive jobs may be given; `checkpoint` whether preemption may checkpoint whole-GPU jobs;
+    `yielded` jobs the scheduler suspended in place on a share device (SIGSTOP): they keep their GPU
+    memory and MPS slot but use no compute until a ResumeJob.
     """
 
     gpus: tuple[Gpu, ...]
@@ -34,6 +36,7 @@ class Snapshot:
     reserved_interactive: frozenset[str] = field(default_factory=frozenset)
     checkpoint: bool = False  # whole-GPU jobs can be preempted with cuda-checkpoint (the engine can do it)
     checkpoint_moves: bool = False  # a checkpointed job may resume on another GPU of its model (r580+ device map)
+    yielded: frozenset[int] = field(default_factory=frozenset)  # shares suspended in place by a PreemptJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +69,20 @@ class PreemptJob:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeJob:
+    """Continue a share the scheduler suspended in place (its compute is free again)."""
+
+    job_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class FailJob:
     job_id: int
     reason: str
 
 
-Action = StartJob | CreateInstance | DestroyInstance | PreemptJob | FailJob
+Action = StartJob | CreateInstance | DestroyInstance | PreemptJob | ResumeJob | FailJob
 
 
 def busy_uuids(active: Iterable[Job]) -> set[str]:

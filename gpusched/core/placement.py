@@ -63,10 +63,11 @@ def job_env(job: Job) -> dict[str, str]:
 
 @dataclass(slots=True)
 class _Client:
-    fraction: float
+    fraction: float  # compute it uses now: 0 while suspended in place
     mem: int
     uid: int
     prec: str | None
+    share: float = 0.0  # compute it was given (what it takes back when it continues)
 
 
 @dataclass(slots=True)
@@ -107,7 +108,7 @@ class DeviceUse:
         return DeviceUse(
             self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
             self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
-            {k: _Client(c.fraction, c.mem, c.uid, c.prec) for k, c in self.clients.items()},
+            {k: _Client(c.fraction, c.mem, c.uid, c.prec, c.share) for k, c in self.clients.items()},
             self.used_fraction, self.used_mem,
         )
 
@@ -139,11 +140,13 @@ class Cluster:
         unschedulable: frozenset[str] = frozenset(),
         mps_owner: Mapping[str, int] | None = None,
         exclude: Iterable[str] = (),
+        yielded: AbstractSet[int] = frozenset(),
     ) -> Cluster:
         """Devices from the GPUs, then every active job's allocation committed onto them.
 
         Devices in `unschedulable` or `exclude` (instances about to be destroyed) get no new jobs,
-        but jobs already on them still count wherever they are known.
+        but jobs already on them still count wherever they are known. Shares in `yielded` (suspended
+        in place) hold their memory and slot but no compute.
         """
         self = cls()
         modes = share_modes or {}
@@ -168,6 +171,8 @@ class Cluster:
         for job in active:
             if job.state in ACTIVE_STATES and job.allocation is not None:
                 self._adopt(job)
+                if job.id in yielded:
+                    self.pause(job.id)
         return self
 
     def _add(self, dev: DeviceUse) -> None:
@@ -185,7 +190,7 @@ class Cluster:
             dev = self.devices[uuid]
             if shared:
                 mem = alloc.gpu_mem_mib or 0
-                dev.clients[job.id] = _Client(alloc.share or 0.0, mem, job.uid, prec)
+                dev.clients[job.id] = _Client(alloc.share or 0.0, mem, job.uid, prec, alloc.share or 0.0)
                 dev.used_fraction += alloc.share or 0.0
                 dev.used_mem += mem
                 if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
@@ -220,7 +225,7 @@ class Cluster:
                 mem = alloc.gpu_mem_mib or 0
                 if not _share_fits(dev, share, mem, job.uid, any_uid=True):  # place() applied the uid policy
                     raise ValueError(f"share does not fit on {uuid}")
-                dev.clients[job.id] = _Client(share, mem, job.uid, prec)
+                dev.clients[job.id] = _Client(share, mem, job.uid, prec, share)
                 dev.used_fraction += share
                 dev.used_mem += mem
             else:
@@ -248,6 +253,45 @@ class Cluster:
                 dev.used_mem = max(0, dev.used_mem - client.mem)
                 if not dev.clients:
                     dev.used_fraction, dev.used_mem = 0.0, 0
+
+    def devices_of(self, job_id: int) -> tuple[str, ...]:
+        held = self.held.get(job_id)
+        return held.uuids if held is not None else ()
+
+    def pause(self, job_id: int) -> bool:
+        """A share suspended in place: its compute is free, its memory and slot stay. False if the
+        job holds no share here."""
+        held = self.held.get(job_id)
+        if held is None or not held.shared:
+            return False
+        for uuid in held.uuids:
+            client = self.devices[uuid].clients.get(job_id) if uuid in self.devices else None
+            if client is not None and client.fraction > 0:
+                dev = self.devices[uuid]
+                dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
+                client.fraction = 0.0
+        return True
+
+    def paused(self, job_id: int) -> bool:
+        held = self.held.get(job_id)
+        return held is not None and held.shared and all(
+            (c := self.devices[u].clients.get(job_id)) is not None and c.fraction == 0 and c.share > 0
+            for u in held.uuids if u in self.devices)
+
+    def unpause(self, job_id: int) -> bool:
+        """Give a paused share its compute back if it fits beside what runs now; False (nothing
+        changed) if it does not."""
+        held = self.held.get(job_id)
+        if held is None or not held.shared:
+            return False
+        clients = [(self.devices[u], self.devices[u].clients.get(job_id)) for u in held.uuids if u in self.devices]
+        if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
+            return False
+        for dev, c in clients:
+            assert c is not None
+            dev.used_fraction += c.share - c.fraction
+            c.fraction = c.share
+        return True
 
     def fingerprint(self) -> tuple[object, ...]:
         """What decides whether a request fits: per device, held or not and the shares on it.

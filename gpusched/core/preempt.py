@@ -6,6 +6,9 @@ victim is stopped the cheapest way its hardware allows:
 
 - `checkpoint`: a whole-GPU job (MIG off) on a node with cuda-checkpoint: its GPU state is moved to
   host memory, the GPU is free, and the job resumes later where it was; no work is lost.
+- `suspend`: a share on an MPS or time-sliced device is stopped in place (SIGSTOP): it keeps its
+  GPU memory and its slot, gives up its compute, and continues (SIGCONT) when the compute is free
+  again; no work is lost. Only compute is freed, so it helps a job that lacks compute, not memory.
 - `requeue`: a `--requeue` job is ended and queued again; the work since its start is lost, so it
   is charged against its user's `preempt_budget_gpu_s` (per day) rather than a per-job cap: a user
   who opted in loses at most that much a day, however many jobs they run.
@@ -23,7 +26,7 @@ from typing import Literal
 
 from gpusched.core.placement import Cluster
 
-PreemptMode = Literal["requeue", "checkpoint"]
+PreemptMode = Literal["requeue", "checkpoint", "suspend"]
 DAY_S = 86400.0
 
 
@@ -34,7 +37,7 @@ class Candidate:
     job_id: int
     mode: PreemptMode
     rank: tuple[float, ...]  # lower goes first
-    lost_gpu_s: float  # work lost (0 for checkpoint)
+    lost_gpu_s: float  # work lost (0 for checkpoint and suspend)
 
 
 def choose_victims(cluster: Cluster, candidates: Sequence[Candidate],
@@ -46,7 +49,7 @@ def choose_victims(cluster: Cluster, candidates: Sequence[Candidate],
     sim = cluster.copy()
     taken: list[Candidate] = []
     for cand in sorted(candidates, key=lambda c: (c.rank, c.job_id)):
-        sim.release(cand.job_id)
+        _free(sim, cand)
         taken.append(cand)
         if fits(sim):
             break
@@ -56,10 +59,18 @@ def choose_victims(cluster: Cluster, candidates: Sequence[Candidate],
         trial = cluster.copy()
         for other in taken:
             if other is not cand:
-                trial.release(other.job_id)
+                _free(trial, other)
         if fits(trial):
             taken.remove(cand)
     return taken
+
+
+def _free(cluster: Cluster, cand: Candidate) -> None:
+    """What stopping a victim frees: everything it holds, or only its compute when suspended in place."""
+    if cand.mode == "suspend":
+        cluster.pause(cand.job_id)
+    else:
+        cluster.release(cand.job_id)
 
 
 class LossBudget:

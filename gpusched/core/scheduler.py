@@ -27,6 +27,7 @@ from gpusched.core.actions import (
     DestroyInstance,
     FailJob,
     PreemptJob,
+    ResumeJob,
     Snapshot,
     StartJob,
     busy_uuids,
@@ -53,7 +54,7 @@ from gpusched.model import (
 )
 
 __all__ = [
-    "Action", "CreateInstance", "DestroyInstance", "FailJob", "FifoScheduler", "PreemptJob", "Scheduler",
+    "Action", "CreateInstance", "DestroyInstance", "FailJob", "FifoScheduler", "PreemptJob", "ResumeJob", "Scheduler",
     "SchedulerConfig", "Snapshot", "StartJob", "busy_uuids", "schedulable_devices", "unsatisfiable_reason",
 ]
 
@@ -85,6 +86,7 @@ class SchedulerConfig:
     preempt_lag_margin_gpu_s: float = 900.0  # victims' owners must be this far above share (GPU-s)
     preempt_max_per_job: int = 0  # a job is preempted at most this often (0: no cap; the loss budget bounds it)
     preempt_budget_gpu_s: float = 4 * 3600.0  # work a user may lose to requeue preemption per day (GPU-s)
+    preempt_suspend_shares: bool = True  # a share may be preempted by suspending it in place (SIGSTOP)
     interactive_window_s: float = 3600.0  # interactive demand this recent keeps headroom (core/interactive.py)
     interactive_headroom_gpus: int = 1  # most devices kept for interactive work (0: none)
     # ... and at most this fraction of the node's GPUs (rounded down): on a 2- or 3-GPU node a kept
@@ -195,6 +197,7 @@ class Scheduler:
         self._budget = LossBudget(self.config.preempt_budget_gpu_s)
         self._pinned: dict[int, frozenset[str]] = {}  # checkpointed job -> the devices it resumes on
         self._no_checkpoint: set[int] = set()  # running jobs the engine could not checkpoint
+        self._yielded_for: dict[int, int] = {}  # share suspended in place -> the job it stopped for
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
@@ -302,7 +305,9 @@ class Scheduler:
         self._track_idle(snapshot, now)
 
         cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
-                                unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner)
+                                unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner,
+                                yielded=snapshot.yielded)
+        actions.extend(self._resume_yielded(cluster, snapshot.yielded))
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
         head: Job | None = None
@@ -405,6 +410,24 @@ class Scheduler:
                                              snapshot.checkpoint_moves))
         return actions
 
+    def _resume_yielded(self, cluster: Cluster, yielded: frozenset[int]) -> list[Action]:
+        """Shares suspended in place continue once the job they yielded to is no longer waiting and
+        their compute is free again, before anything new may take it (they hold their memory all
+        along), oldest suspension first."""
+        out: list[Action] = []
+        # Compute freed for a job that has not started yet is that job's: nothing on its device
+        # continues before it starts (another share stopped earlier would take it).
+        awaited = {u for jid in yielded if (w := self._yielded_for.get(jid)) is not None
+                   and self.queue.get(w) is not None for u in cluster.devices_of(jid)}
+        for jid in sorted(yielded, key=lambda j: (self._preempting.get(j, 0.0), j)):
+            self._preempting.pop(jid, None)  # carried out: the next preemption may be chosen
+            if awaited.intersection(cluster.devices_of(jid)):
+                continue
+            if cluster.paused(jid) and cluster.unpause(jid):
+                self._yielded_for.pop(jid, None)
+                out.append(ResumeJob(jid, "its compute is free again: continues where it stopped"))
+        return out
+
     # ---- state sync ----------------------------------------------------------------------
     def _observe_shape(self, snapshot: Snapshot) -> None:
         """Re-check satisfiability of everything pending when the node's shape changes."""
@@ -476,6 +499,7 @@ class Scheduler:
                 self._outstanding(rec.user, rec.used - rec.committed)
             self._count_running(rec, -1)
             self._no_checkpoint.discard(jid)
+            self._yielded_for.pop(jid, None)
             if self._preempting.pop(jid, None) is None:
                 self._times_preempted.pop(jid, None)  # ended for good
             touched.add(rec.user)
@@ -777,7 +801,11 @@ class Scheduler:
             # An interactive job's victims stand on its headroom, where no batch job starts anew.
             if rec.started >= now or (not interactive and now - rec.started < self.config.preempt_min_run_s):
                 continue
-            if checkpoint and whole and rec.running and jid not in self._no_checkpoint:
+            share = rec.alloc.share is not None and rec.running
+            if share and self.config.preempt_suspend_shares and any(
+                    (d := cluster.devices.get(u)) is not None and d.shared for u in rec.alloc.uuids):
+                cands.append(Candidate(jid, "suspend", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+            elif checkpoint and whole and rec.running and jid not in self._no_checkpoint:
                 cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
             elif rec.requeue and self._budget.left(rec.user, now) >= lost:
                 cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
@@ -793,9 +821,12 @@ class Scheduler:
             self._times_preempted[cand.job_id] = self._times_preempted.get(cand.job_id, 0) + 1
             if cand.mode == "checkpoint":
                 self._pinned[cand.job_id] = self._resume_devices(rec.alloc, moves)
-            else:
+            elif cand.mode == "requeue":
                 self._budget.spend(rec.user, now, cand.lost_gpu_s)
-            how = "checkpointed" if cand.mode == "checkpoint" else f"requeued, {cand.lost_gpu_s:.0f} GPU-s lost"
+            else:
+                self._yielded_for[cand.job_id] = job.id
+            how = {"checkpoint": "checkpointed", "suspend": "suspended in place, keeps its GPU memory"}.get(
+                cand.mode, f"requeued, {cand.lost_gpu_s:.0f} GPU-s lost")
             out.append(PreemptJob(cand.job_id, (
                 f"preempted ({how}) for job {job.id} ({job.user}, {job.spec.job_class}, waiting "
                 f"{waited:.0f} s); {rec.user} is {-self.fair.lag(rec.user) / 3600:.2f} GPU-h above share"),

@@ -26,6 +26,7 @@ from gpusched.core.scheduler import (
     DestroyInstance,
     FailJob,
     PreemptJob,
+    ResumeJob,
     Scheduler,
     Snapshot,
     StartJob,
@@ -92,6 +93,7 @@ class Engine:
             store, enabled=config.checkpoint, binary=config.checkpoint_binary, timeout_s=config.checkpoint_timeout_s,
             sim=config.sim is not None, state_dir=config.state_dir)
         self.jobs: dict[int, Job] = {}
+        self._yielded: set[int] = set()  # shares the scheduler suspended in place (store meta `yielded`)
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
@@ -141,6 +143,8 @@ class Engine:
                 if job.state is JobState.HELD and job.spec.after:
                     self._held_with_deps.add(job.id)
         self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
+        self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
+                         if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
         await self._recover()
         self.requeue_all()
         self._write_job_mapping()
@@ -288,6 +292,9 @@ class Engine:
             return f"job is {job.state}, not SUSPENDED"
         if self.checkpoints.holds(job):
             return "job is checkpointed (its GPU was given to another job); it resumes when the scheduler gives it back"
+        if job.id in self._yielded:
+            return ("job was suspended in place for another job; it resumes when its compute is free again "
+                    "(the scheduler does it)")
         self.executor.signal(job.pid, signal.SIGCONT)
         self._set(job, JobState.RUNNING, reason)
         return None
@@ -433,6 +440,7 @@ class Engine:
             mps_owner=self._mps_owners(),
             reserved_interactive=self._reserved_interactive(),
             checkpoint=self.checkpoints.enabled,
+            yielded=frozenset(self._yielded),
         )
 
     def active_jobs(self) -> list[Job]:
@@ -563,8 +571,16 @@ class Engine:
             job = self.jobs.get(action.job_id)
             if job is not None and action.mode == "checkpoint":
                 self._spawn(self._checkpoint(job, action.reason))
+            elif job is not None and action.mode == "suspend":
+                self._yield(job, action.reason)
             elif job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
                 self._request_stop(job, StopRequest(JobState.PREEMPTED, action.reason))
+        elif isinstance(action, ResumeJob):
+            job = self.jobs.get(action.job_id)
+            if job is not None and job.state is JobState.SUSPENDED and job.id in self._yielded and job.pid:
+                self._set_yielded(job.id, False)
+                self.executor.signal(job.pid, signal.SIGCONT)
+                self._set(job, JobState.RUNNING, action.reason)
         elif isinstance(action, CreateInstance):
             if await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start):
                 self.metrics.record_mig_reconfiguration(action.gpu_index)
@@ -633,6 +649,25 @@ class Engine:
         # With an error the job never ran (no such executable, bad cwd, ...); the shim has recorded
         # why, and reaping moves it STARTING -> FAILED with that reason.
         await self._reap(job.id)
+
+    def _yield(self, job: Job, reason: str) -> None:
+        """Preempt a share by suspending it in place (SIGSTOP): it keeps its GPU memory and MPS slot,
+        gives up its compute, and continues on a ResumeJob. Nothing is lost."""
+        if job.state is not JobState.RUNNING or not job.pid or job.id in self._stops:
+            self.scheduler.preempt_failed(job.id)
+            return
+        self._set_yielded(job.id, True)
+        self.executor.signal(job.pid, signal.SIGSTOP)
+        self._set(job, JobState.SUSPENDED, reason)
+
+    def _set_yielded(self, job_id: int, on: bool) -> None:
+        if on == (job_id in self._yielded):
+            return
+        if on:
+            self._yielded.add(job_id)
+        else:
+            self._yielded.discard(job_id)
+        self.store.set_meta("yielded", json.dumps(sorted(self._yielded)))
 
     async def _checkpoint(self, job: Job, reason: str) -> None:
         """Preempt by checkpoint (daemon/checkpointing.py): the job keeps its processes and its work,
@@ -904,6 +939,8 @@ class Engine:
         elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
             self._awaiting_deps.discard(job.id)
             self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
+        if job.id in self._yielded and state is not JobState.SUSPENDED:
+            self._set_yielded(job.id, False)  # resumed, continued by a signal, or ended
         if state in TERMINAL_STATES and job.id in self.checkpoints.pinned:
             self.checkpoints.forget(job.id)
             self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
@@ -988,6 +1025,18 @@ def run_seconds(job: Job, now: float) -> float:
     if since is not None:
         total += now - since
     return total
+
+
+def _load_ids(saved: str | None) -> list[int]:
+    """A persisted list of job ids; anything else is dropped (logged), never fatal."""
+    try:
+        data = json.loads(saved) if saved else []
+    except ValueError:
+        data = None
+    if not isinstance(data, list):
+        log.error("saved job list %r is unreadable; dropped", (saved or "")[:200])
+        return []
+    return [i for i in data if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _load_stops(saved: str | None) -> dict[int, StopRequest]:

@@ -178,6 +178,7 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
         preempt_lag_margin_gpu_s=config.scheduler.preempt_lag_margin_gpu_s,
         preempt_max_per_job=config.scheduler.preempt_max_per_job,
         preempt_budget_gpu_s=config.scheduler.preempt_budget_gpu_s,
+        preempt_suspend_shares=config.scheduler.preempt_suspend_shares,
         interactive_window_s=config.scheduler.interactive_window_s,
         interactive_headroom_gpus=config.scheduler.interactive_headroom_gpus,
         interactive_headroom_fraction=config.scheduler.interactive_headroom_fraction,

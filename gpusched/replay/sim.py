@@ -28,6 +28,7 @@ from gpusched.core.scheduler import (
     DestroyInstance,
     FailJob,
     PreemptJob,
+    ResumeJob,
     Scheduler,
     Snapshot,
     StartJob,
@@ -133,6 +134,7 @@ class Simulator:
         self.uids: dict[str, int] = {}
         self.requested: dict[int, float] = {}
         self.restoring: set[int] = set()  # checkpointed jobs: their next start restores them
+        self.yielded: set[int] = set()  # shares suspended in place: memory held, no progress, no compute
         self.expected: dict[int, float] = {}
 
     # ---- building jobs ---------------------------------------------------------------------------
@@ -202,7 +204,8 @@ class Simulator:
         pending = () if self.policy.incremental else tuple(self.pending.values())
         return Snapshot(gpus=self.gpus, pending=pending, active=tuple(self.active.values()),
                         share_modes=self.share_modes, dynamic=self.policy.node.dynamic,
-                        checkpoint=self.policy.node.checkpoint, checkpoint_moves=self.policy.node.checkpoint)
+                        checkpoint=self.policy.node.checkpoint, checkpoint_moves=self.policy.node.checkpoint,
+                        yielded=frozenset(self.yielded))
 
     def _plan(self) -> None:
         for _ in range(_MAX_ROUNDS):
@@ -244,6 +247,8 @@ class Simulator:
             if job is not None:
                 self._set(job, JobState.FAILED, action.reason, ended_at=self.now)
                 self.unsatisfiable += 1
+        elif isinstance(action, ResumeJob):
+            self._resume(action)
 
     def _start(self, action: StartJob) -> None:
         job = self.pending.pop(action.job_id, None)
@@ -319,6 +324,9 @@ class Simulator:
         job = self.active.get(action.job_id)
         if job is None or (action.mode == "requeue" and not job.spec.requeue):
             return
+        if action.mode == "suspend":
+            self._suspend(job, action.reason)
+            return
         run = self.runs[job.id]
         self._release(job.id)
         if action.mode == "checkpoint":  # its progress is kept; it pays the restore when it resumes
@@ -332,6 +340,32 @@ class Simulator:
         self.pending[job.id] = job
         if self.policy.incremental and isinstance(self.planner, Scheduler):
             self.planner.submit(job)
+
+    def _suspend(self, job: Job, reason: str) -> None:
+        """SIGSTOP in place: no progress and no compute (its co-residents speed up), memory kept."""
+        run = self.runs[job.id]
+        self._advance(run)
+        self._close_segment(run)
+        self.allocated -= run.frac
+        run.frac = 0.0
+        run.version += 1  # its pending end event is void
+        for g in run.groups:
+            self.groups[g].discard(job.id)
+        self._regroup(run.groups)
+        self.active[job.id] = self._set(job, JobState.SUSPENDED, reason)
+        self.yielded.add(job.id)
+
+    def _resume(self, action: ResumeJob) -> None:
+        job = self.active.get(action.job_id)
+        if job is None or action.job_id not in self.yielded:
+            return
+        self.yielded.discard(job.id)
+        run = self.runs[job.id]
+        run.since = run.seg_start = self.now
+        for g in run.groups:
+            self.groups.setdefault(g, set()).add(job.id)
+        self.active[job.id] = self._set(job, JobState.RUNNING, action.reason)
+        self._regroup(run.groups, also=run)
 
     # ---- progress --------------------------------------------------------------------------------
     def _advance(self, run: _Run) -> None:
@@ -389,6 +423,7 @@ class Simulator:
             self._push(min(finish, run.deadline), _END, jid, run.version)
 
     def _release(self, jid: int) -> Job:
+        self.yielded.discard(jid)
         run = self.runs.pop(jid)
         self._advance(run)
         self._close_segment(run)

@@ -17,6 +17,7 @@ from gpusched.core.scheduler import (
     DestroyInstance,
     FailJob,
     PreemptJob,
+    ResumeJob,
     Scheduler,
     Snapshot,
     StartJob,
@@ -77,6 +78,9 @@ class Node:
     actions: list[Action] = field(default_factory=list)
     seq: itertools.count = field(default_factory=itertools.count)  # type: ignore[type-arg]
     tick: float = 60.0
+    ends: dict[int, float] = field(default_factory=dict)  # running job -> when it ends
+    left: dict[int, float] = field(default_factory=dict)  # share suspended in place -> work left
+    yielded: set[int] = field(default_factory=set)
 
     def submit(self, j: Job, duration: float) -> None:
         self.pending[j.id] = j.model_copy(update={"submitted_at": self.now})
@@ -86,7 +90,8 @@ class Node:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(gpus=tuple(self.gpus), pending=tuple(self.pending.values()),
-                        active=tuple(self.active.values()), share_modes=self.share_modes, dynamic=self.dynamic)
+                        active=tuple(self.active.values()), share_modes=self.share_modes, dynamic=self.dynamic,
+                        yielded=frozenset(self.yielded))
 
     def step(self) -> list[Action]:
         """One plan, applied; re-plan at once after MIG changes or preemptions, as the engine does."""
@@ -107,12 +112,28 @@ class Node:
             started = j.model_copy(update={"state": JobState.RUNNING, "started_at": self.now,
                                            "allocation": a.allocation})
             self.active[j.id] = started
-            heapq.heappush(self.events, (self.now + self.duration[j.id], next(self.seq), j.id))
+            self.ends[j.id] = self.now + self.duration[j.id]
+            heapq.heappush(self.events, (self.ends[j.id], next(self.seq), j.id))
         elif isinstance(a, FailJob):
             self.pending.pop(a.job_id, None)
             self.failed[a.job_id] = a.reason
+        elif isinstance(a, PreemptJob) and a.mode == "suspend":  # SIGSTOP in place: no progress, memory kept
+            j = self.active[a.job_id]
+            assert j.allocation is not None and j.allocation.share is not None, "only shares are suspended"
+            self._account(j)
+            self.left[j.id] = self.ends.pop(j.id) - self.now
+            self.active[j.id] = j.model_copy(update={"state": JobState.SUSPENDED})
+            self.yielded.add(j.id)
+        elif isinstance(a, ResumeJob):
+            assert a.job_id in self.yielded, f"resumed job {a.job_id}, which was not suspended in place"
+            self.yielded.discard(a.job_id)
+            j = self.active[a.job_id]
+            self.active[j.id] = j.model_copy(update={"state": JobState.RUNNING, "started_at": self.now})
+            self.ends[j.id] = self.now + self.left.pop(j.id)
+            heapq.heappush(self.events, (self.ends[j.id], next(self.seq), j.id))
         elif isinstance(a, PreemptJob):
             j = self.active.pop(a.job_id)
+            self.ends.pop(j.id, None)
             self._account(j)
             self.pending[j.id] = j.model_copy(update={"state": JobState.PENDING, "allocation": None,
                                                       "started_at": None})
@@ -151,10 +172,11 @@ class Node:
             if nxt > t_end:
                 break
             t, _, jid = heapq.heappop(self.events)
-            if jid not in self.active:
-                continue  # preempted earlier
+            if jid not in self.active or self.ends.get(jid) != t:
+                continue  # preempted or suspended earlier
             self.now = t
             j = self.active.pop(jid)
+            del self.ends[jid]
             self._account(j)
             self.done[jid] = j
             if callable(on_tick):
@@ -165,6 +187,8 @@ class Node:
     def service_until_now(self) -> dict[str, float]:
         out = dict(self.service)
         for j in self.active.values():
+            if j.state is JobState.SUSPENDED:
+                continue
             assert j.allocation is not None and j.started_at is not None
             out[j.user] = out.get(j.user, 0.0) + j.allocation.compute_fraction * (self.now - j.started_at)
         return out

@@ -18,6 +18,7 @@ from gpusched.core.scheduler import (
     FailJob,
     FifoScheduler,
     PreemptJob,
+    ResumeJob,
     Scheduler,
     SchedulerConfig,
     Snapshot,
@@ -361,3 +362,47 @@ def test_interactive_headroom_keeps_a_gpu_on_a_bigger_node() -> None:
     n.submit(job(3, "bob", gpus=3), 100)
     assert _starts(n.step()) == [3]  # one GPU stays free for interactive work
     assert "waiting for 4 whole GPU(s) (4 idle now, 1 of them kept for interactive work)" in n.sched.explain(2)
+
+
+def test_a_paused_share_keeps_its_memory_and_slot_and_gets_its_compute_back_only_if_free() -> None:
+    running = [job(1, share=0.5, mem=30_000).model_copy(update={"state": JobState.RUNNING}),
+               job(2, share=0.5, mem=30_000).model_copy(update={"state": JobState.RUNNING})]
+    c = Cluster.build([gpu(0)], [], share_modes={"GPU-0000": "mps"})
+    for j in running:
+        alloc = c.place(j, mps_any_uid=True)
+        assert alloc is not None
+        c.commit(j, alloc)
+    assert c.place(job(3, share=0.5, mem=1024), mps_any_uid=True) is None  # no compute left
+    assert c.pause(1) and c.paused(1)
+    assert c.place(job(3, share=0.5, mem=30_000), mps_any_uid=True) is None  # its memory is still held
+    third = job(3, share=0.5, mem=1024)
+    alloc = c.place(third, mps_any_uid=True)
+    assert alloc is not None
+    c.commit(third, alloc)
+    assert not c.unpause(1) and c.paused(1)  # compute taken: it stays paused, nothing changed
+    c.release(3)
+    assert c.unpause(1) and not c.paused(1)
+    assert c.place(job(4, share=0.1, mem=1024), mps_any_uid=True) is None
+    assert not c.pause(99) and not c.unpause(99)  # unknown jobs: nothing to do
+
+
+def test_an_interactive_share_suspends_a_batch_share_in_place_and_it_loses_no_work() -> None:
+    n = Node(Scheduler(incremental=True), [gpu(0)], share_modes={"GPU-0000": "mps"})
+    n.submit(job(1, "trainer", share=0.5, mem=10_000), 10_000.0)
+    n.submit(job(2, "trainer", share=0.5, mem=10_000), 10_000.0)
+    n.run_until(100.0)
+    assert set(n.active) == {1, 2}
+    n.submit(job(3, "alice", share=0.5, mem=10_000, job_class="interactive"), 500.0)
+    n.run_until(101.0)
+    suspends = [a for a in n.actions if isinstance(a, PreemptJob)]
+    assert [a.mode for a in suspends] == ["suspend"] and n.active[3].state is JobState.RUNNING
+    victim = suspends[0].job_id
+    assert n.active[victim].state is JobState.SUSPENDED and n.active[victim].allocation is not None
+    n.run_until(700.0)
+    assert [a.job_id for a in n.actions if isinstance(a, ResumeJob)] == [victim]
+    n.run_until(20_000.0)
+    assert set(n.done) == {1, 2, 3}
+    # Each trainer job ran its 10,000 s once: the suspended one ended later by the time it stood still.
+    last_start = {jid: n.done[jid].started_at for jid in (1, 2)}
+    assert last_start[victim] is not None and last_start[victim] >= 600.0  # its clock restarted at the resume
+    assert n.service["trainer"] == pytest.approx(0.5 * 10_000.0 * 2)

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from gpusched.config import GpuConfig
 from gpusched.daemon.checkpointing import META_KEY
 from gpusched.daemon.store import StoreReader
 from gpusched.gpu.simcheckpoint import inject
-from gpusched.model import Event, JobSpec, JobState, WholeRequest
+from gpusched.model import Event, JobSpec, JobState, ShareRequest, WholeRequest
 from gpusched.protocol import CancelRequest, CancelResult, LogsRequest, LogsResult, ShowRequest, ShowResult
 from gpusched_cli.client import Client
 from tests.conftest import wait_until
@@ -28,8 +29,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.05; done"
 
 
-def _submit(uid: int, socket: str, argv: list[str], **fields: Any) -> int:
-    spec = JobSpec(argv=argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=WholeRequest(gpus=1), **fields)
+def _submit(uid: int, socket: str, argv: list[str], request: Any = None, **fields: Any) -> int:
+    spec = JobSpec(argv=argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=request or WholeRequest(gpus=1),
+                   **fields)
     [reply] = as_user(uid, socket, {"op": "submit", "spec": spec.model_dump(mode="json")})
     assert reply["ok"], reply
     return int(reply["result"]["job_id"])
@@ -172,3 +174,30 @@ def test_a_restore_that_fails_ends_the_job_with_the_reason(daemon_factory: Any) 
         assert "restore from checkpoint failed" in job.reason and "out of memory" in job.reason, job.reason
         assert state_of(c, interactive) is JobState.COMPLETED
         wait_until(lambda: not os.path.exists(f"/proc/{pid}"), what="its process gone")
+
+
+@needs_root
+def test_a_share_is_suspended_in_place_for_an_interactive_share_and_continues_after_it(daemon_factory: Any) -> None:
+    """SIGSTOP in place on a share device: the batch share keeps its GPU memory and MPS slot, gives
+    its compute to the interactive share, and continues (same process) once that one has ended."""
+    daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
+    half = ShareRequest(fraction=0.5, gpu_mem_mib=10240)
+    with daemon.client() as c:
+        batch = [_submit(20010, daemon.socket, ["sh", "-c", COUNTER], request=half) for _ in range(2)]
+        wait_until(lambda: all(len(_counts(c, j)) >= 2 for j in batch), what="both batch shares counting")
+        pids = {j: c.call(ShowRequest(job_id=j), ShowResult).job.pid for j in batch}
+        interactive = _submit(20011, daemon.socket, ["sleep", "1"], request=half, job_class="interactive")
+        wait_until(lambda: state_of(c, interactive) is JobState.RUNNING, timeout=30, what="interactive share running")
+        [stopped] = [j for j in batch if state_of(c, j) is JobState.SUSPENDED]
+        job = c.call(ShowRequest(job_id=stopped), ShowResult).job
+        assert "suspended in place" in job.reason and job.allocation is not None  # it keeps its memory
+        assert _proc_state(pids[stopped]) == "T"
+        wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive done")
+        wait_until(lambda: state_of(c, stopped) is JobState.RUNNING, timeout=30, what="batch share continued")
+        job = c.call(ShowRequest(job_id=stopped), ShowResult).job
+        assert job.pid == pids[stopped] and "continues where it stopped" in job.reason
+        frozen = len(_counts(c, stopped))
+        wait_until(lambda: len(_counts(c, stopped)) > frozen + 3, what="it counts again")
+        counts = _counts(c, stopped)
+        assert counts == list(range(1, len(counts) + 1))
+        c.call(CancelRequest(job_ids=batch), CancelResult)

@@ -60,3 +60,29 @@ def test_requeue_preemption_loses_work_within_the_daily_budget(write_csv: Callab
                 lost += tr.at - started
     # One requeue (about 700 s of one GPU's work); any later one would exceed the 1000 GPU-s budget.
     assert 600 <= lost <= 1000.0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=st.lists(st.floats(10, 20_000), min_size=1, max_size=6), train_s=st.floats(30_000, 60_000))
+def test_shares_suspended_in_place_keep_their_work(write_csv: Callable[[str], str], arrivals: list[float],
+                                                   train_s: float) -> None:
+    """Batch shares fill an MPS GPU; an interactive share suspends one in place: it is never ended or
+    started again (its work is kept), and it continues once the interactive share is gone."""
+    rows = [f"0,{train_s},trainer,,0.5,10240,batch,0,train-{k}" for k in range(2)]
+    rows += [f"{t},120,u{k % 2},,0.5,10240,interactive,0,infer-{k}" for k, t in enumerate(sorted(arrivals))]
+    trace = write_csv("submit_time,duration,user,gpus,share,gpu_mem,class,requeue,name\n" + "\n".join(rows) + "\n")
+    result = run_replay(trace, gpus="H100-80GB:1", policies=["gpusched"]).results[0]
+    suspended = 0
+    for job in result.jobs:
+        assert job.state is JobState.COMPLETED, (job.id, job.state, job.reason)
+        states = [tr.state for tr in job.history]
+        if job.user == "trainer":
+            assert states.count(JobState.STARTING) == 1 and JobState.PREEMPTED not in states  # never redone
+            stops = [tr for tr in job.history if tr.state is JobState.SUSPENDED]
+            assert all("suspended in place" in tr.reason for tr in stops)
+            assert states.count(JobState.RUNNING) == 1 + len(stops)  # each stop was continued
+            suspended += len(stops)
+    first = min((j for j in result.jobs if j.user != "trainer"), key=lambda j: (j.submitted_at, j.id))
+    start = next(tr.at for tr in first.history if tr.state is JobState.STARTING)
+    assert start == first.submitted_at  # the first interactive share got a trainer share's compute at once
+    assert suspended >= 1
