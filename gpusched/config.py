@@ -162,6 +162,10 @@ class MigSection(BaseModel):
     min_reconfig_interval_s: float = Field(
         default=600.0, ge=0, description="minimum time between reconfigurations that destroy, per GPU"
     )
+    toggle_mode: bool = Field(
+        default=True, description="a dynamic GPU idle this long may leave MIG mode when the next job by fairness needs "
+        "whole GPUs only it can complete, and come back into MIG mode for MIG work (never while anything runs on it)"
+    )
 
 
 class DaemonConfig(BaseModel):

@@ -253,7 +253,8 @@ class Event(_Frozen):
     """Something that happened to a device or job: an XID, a drain, a MIG change."""
 
     at: float
-    # xid_app_error | gpu_fault | gpu_lost | drain | resume | mig_create | mig_destroy | checkpoint | checkpoint_failed
+    # xid_app_error | gpu_fault | gpu_lost | drain | resume | mig_create | mig_destroy | mig_mode | checkpoint |
+    # checkpoint_failed
     kind: str
     message: str
     gpu: int | None = None

@@ -69,6 +69,15 @@ class PreemptJob:
 
 
 @dataclass(frozen=True, slots=True)
+class SetMigMode:
+    """Switch an idle dynamic GPU's MIG mode (its instances, all idle, are destroyed first)."""
+
+    gpu_index: int
+    enabled: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeJob:
     """Continue a share the scheduler suspended in place (its compute is free again)."""
 
@@ -82,7 +91,7 @@ class FailJob:
     reason: str
 
 
-Action = StartJob | CreateInstance | DestroyInstance | PreemptJob | ResumeJob | FailJob
+Action = StartJob | CreateInstance | DestroyInstance | SetMigMode | PreemptJob | ResumeJob | FailJob
 
 
 def busy_uuids(active: Iterable[Job]) -> set[str]:

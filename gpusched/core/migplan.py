@@ -33,6 +33,9 @@ class MigPolicy:
 
     min_idle_s: float = 300.0  # an idle instance must be idle this long before it may go
     min_reconfig_interval_s: float = 600.0  # between reconfigurations that destroy, per GPU
+    # A dynamic GPU may leave MIG mode when whole-GPU work needs it and come back for MIG work, only
+    # while it is idle (no instance busy, no job on it), with the same damping as above.
+    toggle_mode: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -462,15 +462,17 @@ def unsatisfiable_reason(
     gpus: Sequence[Gpu],
     share_modes: Mapping[str, str] | None = None,
     dynamic: frozenset[int] = frozenset(),
+    mode_toggle: bool = False,
 ) -> str | None:
     """Why this node can never run the request, in words that say what the node has; None if it can.
 
     `share_modes` (device UUID -> exclusive|mps|timeslice) makes share requests answerable;
     `dynamic` (GPU indices whose MIG layout the scheduler may change) makes a MIG profile
-    satisfiable when such a GPU's model offers it, even if no instance of it exists yet.
+    satisfiable when such a GPU's model offers it, even if no instance of it exists yet; with
+    `mode_toggle` the scheduler may also switch their MIG mode, so they count as whole GPUs too.
     """
     modes = share_modes or {}
-    whole = [g for g in gpus if not g.mig_enabled]
+    whole = [g for g in gpus if not g.mig_enabled or (mode_toggle and g.index in dynamic)]
     if isinstance(request, WholeRequest):
         if request.gpus > len(whole):
             mig_note = f" ({len(gpus) - len(whole)} more are in MIG mode)" if len(whole) < len(gpus) else ""
@@ -483,7 +485,7 @@ def unsatisfiable_reason(
         offered = sorted({i.profile for g in gpus for i in g.instances})
         if request.profile in offered:
             return None
-        dyn = [g for g in gpus if g.index in dynamic and g.mig_enabled]
+        dyn = [g for g in gpus if g.index in dynamic and (g.mig_enabled or mode_toggle)]
         if any(request.profile in offered_profiles(g) for g in dyn):
             return None
         have = ", ".join(offered) if offered else "none"

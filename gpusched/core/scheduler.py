@@ -28,6 +28,7 @@ from gpusched.core.actions import (
     FailJob,
     PreemptJob,
     ResumeJob,
+    SetMigMode,
     Snapshot,
     StartJob,
     busy_uuids,
@@ -54,8 +55,21 @@ from gpusched.model import (
 )
 
 __all__ = [
-    "Action", "CreateInstance", "DestroyInstance", "FailJob", "FifoScheduler", "PreemptJob", "ResumeJob", "Scheduler",
-    "SchedulerConfig", "Snapshot", "StartJob", "busy_uuids", "schedulable_devices", "unsatisfiable_reason",
+    "Action",
+    "CreateInstance",
+    "DestroyInstance",
+    "FailJob",
+    "FifoScheduler",
+    "PreemptJob",
+    "ResumeJob",
+    "Scheduler",
+    "SchedulerConfig",
+    "SetMigMode",
+    "Snapshot",
+    "StartJob",
+    "busy_uuids",
+    "schedulable_devices",
+    "unsatisfiable_reason",
 ]
 
 
@@ -64,13 +78,15 @@ def unsatisfiable_reason(
     gpus: Sequence[Gpu],
     share_modes: Mapping[str, str] | None = None,
     dynamic: frozenset[int] = frozenset(),
+    mode_toggle: bool = False,
 ) -> str | None:
     """Why this node can never run the request, in words that say what the node has; None if it can.
 
     Knows share modes (a share needs an mps/timeslice device with enough memory) and dynamic MIG
-    GPUs (a profile their model offers can be created on demand). See placement.unsatisfiable_reason.
+    GPUs (a profile their model offers can be created on demand; with `mode_toggle` they can also
+    leave MIG mode for whole-GPU work). See placement.unsatisfiable_reason.
     """
-    return _unsatisfiable_reason(request, gpus, share_modes, dynamic)
+    return _unsatisfiable_reason(request, gpus, share_modes, dynamic, mode_toggle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +193,7 @@ class Scheduler:
         self._dynamic: frozenset[int] = frozenset()
         self._idle_since: dict[str, float] = {}
         self._last_reconfig: dict[int, float] = {}
+        self._gpu_idle_since: dict[int, float] = {}  # dynamic GPU -> since when nothing has run on it
         self._preempting: dict[int, float] = {}
         self._started_at_first_plan: float | None = None
         self._blocked: dict[int, str] = {}  # pending job id -> why it did not start in the last pass
@@ -286,7 +303,8 @@ class Scheduler:
     def _unsat(self, job: Job) -> str | None:
         req = job.spec.request
         if req not in self._fail_cache:
-            self._fail_cache[req] = unsatisfiable_reason(req, self._gpus, self._share_modes, self._dynamic)
+            self._fail_cache[req] = unsatisfiable_reason(req, self._gpus, self._share_modes, self._dynamic,
+                                                         self.config.mig.toggle_mode)
         return self._fail_cache[req]
 
     # ---- the pass ------------------------------------------------------------------------
@@ -399,7 +417,9 @@ class Scheduler:
                            if fails and head is not None else ((), frozenset()))
         self._user_memo = user_memo
 
-        actions.extend(self._plan_mig(snapshot, cluster, mig_demand, doomed, now))
+        mig_actions = self._plan_mig(snapshot, cluster, mig_demand, doomed, now)
+        actions.extend(mig_actions)
+        actions.extend(self._plan_mig_mode(snapshot, cluster, head, mig_demand, mig_actions, now))
         if not self._preempting:
             waiting = self._waiting_interactive(now)
             if waiting is not None:
@@ -557,6 +577,13 @@ class Scheduler:
                     self._idle_since.setdefault(inst.uuid, now)
         if len(self._idle_since) > len(present):
             self._idle_since = {u: t for u, t in self._idle_since.items() if u in present}
+        for gpu in snapshot.gpus:
+            if gpu.index not in snapshot.dynamic:
+                continue
+            if gpu.uuid in busy or any(i.uuid in busy for i in gpu.instances):
+                self._gpu_idle_since.pop(gpu.index, None)
+            else:
+                self._gpu_idle_since.setdefault(gpu.index, now)
 
     # ---- decisions -----------------------------------------------------------------------
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
@@ -699,6 +726,56 @@ class Scheduler:
         out: list[Action] = [DestroyInstance(d.uuid, d.reason) for d in mplan.destroys]
         out += [CreateInstance(c.gpu_index, c.profile, c.start, c.reason) for c in mplan.creates]
         return out
+
+    def _plan_mig_mode(self, snapshot: Snapshot, cluster: Cluster, head: Job | None, mig_demand: list[str],
+                       mig_actions: list[Action], now: float) -> list[Action]:
+        """Switch idle dynamic GPUs out of MIG mode when the blocked fairness head needs whole GPUs
+        that only they can give, and into it when MIG work finds no dynamic GPU to go on.
+
+        Only a GPU idle for `min_idle_s` and not reconfigured for `min_reconfig_interval_s` is
+        switched (the same damping as instances), and only when the switch completes what is needed:
+        the 8-GPU pod gets its 8 GPUs, not a GPU that would idle until the others free up.
+        """
+        policy = self.config.mig
+        if not policy.toggle_mode or not snapshot.dynamic:
+            return []
+
+        touched = {a.gpu_index for a in mig_actions if isinstance(a, CreateInstance)} | {
+            g.index for g in snapshot.gpus for a in mig_actions if isinstance(a, DestroyInstance)
+            for i in g.instances if i.uuid == a.uuid}
+
+        def switchable(gpu: Gpu) -> bool:
+            idle = self._gpu_idle_since.get(gpu.index)
+            return (gpu.index in snapshot.dynamic and gpu.index not in touched
+                    and gpu.uuid not in snapshot.unschedulable and idle is not None
+                    and now - idle >= policy.min_idle_s
+                    and now - self._last_reconfig.get(gpu.index, -math.inf) >= policy.min_reconfig_interval_s)
+
+        usable = [g for g in snapshot.gpus if g.uuid not in snapshot.unschedulable]
+        req = head.spec.request if head is not None else None
+        if isinstance(req, WholeRequest):
+            whole = sum(1 for g in usable if not g.mig_enabled)
+            if whole >= req.gpus:
+                return []
+            cands = [g for g in usable if g.mig_enabled and switchable(g)]
+            if whole + len(cands) < req.gpus:
+                return []  # switching would not make the head fit: keep the MIG capacity
+            out: list[Action] = []
+            for gpu in cands[: req.gpus - whole]:
+                self._last_reconfig[gpu.index] = now
+                out += [DestroyInstance(i.uuid, f"GPU {gpu.index} leaves MIG mode") for i in gpu.instances]
+                out.append(SetMigMode(gpu.index, False, f"job {head.id if head else '?'} needs {req.gpus} whole "
+                                      f"GPU(s); GPU {gpu.index} has been idle in MIG mode"))
+            return out
+        if mig_demand and not mig_actions:  # the dynamic GPUs in MIG mode could not make room for it
+            cands = [g for g in usable if not g.mig_enabled and switchable(g)
+                     and (d := cluster.devices.get(g.uuid)) is not None and d.idle]
+            if cands:
+                gpu = cands[0]
+                self._last_reconfig[gpu.index] = now
+                return [SetMigMode(gpu.index, True, f"MIG work waits ({', '.join(sorted(set(mig_demand)))}) and no "
+                                   f"dynamic GPU in MIG mode has room; GPU {gpu.index} has been idle")]
+        return []
 
     def _park_remembered(self, head: Job, fails: set[object],
                          user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]],

@@ -28,6 +28,7 @@ from gpusched.core.scheduler import (
     PreemptJob,
     ResumeJob,
     Scheduler,
+    SetMigMode,
     Snapshot,
     StartJob,
     unsatisfiable_reason,
@@ -216,7 +217,8 @@ class Engine:
                 ErrorCode.PERMISSION_DENIED, "jobs submitted by root are refused",
                 "submit as an ordinary user, or set allow_root_jobs = true in the daemon config",
             )
-        reason = unsatisfiable_reason(spec.request, self.inventory.gpus, self.share_modes(), self.dynamic_gpus())
+        reason = unsatisfiable_reason(spec.request, self.inventory.gpus, self.share_modes(), self.dynamic_gpus(),
+                                      self.config.mig.toggle_mode)
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
         self._check_user_limits(uid, user, spec_bytes(spec))
@@ -581,6 +583,8 @@ class Engine:
                 self._set_yielded(job.id, False)
                 self.executor.signal(job.pid, signal.SIGCONT)
                 self._set(job, JobState.RUNNING, action.reason)
+        elif isinstance(action, SetMigMode):
+            await self._set_mig_mode(action)
         elif isinstance(action, CreateInstance):
             if await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start):
                 self.metrics.record_mig_reconfiguration(action.gpu_index)
@@ -592,6 +596,28 @@ class Engine:
                 self.metrics.record_mig_reconfiguration(gpu_index)
                 self.store.add_event(Event(at=self.clock(), kind="mig_destroy", gpu=gpu_index, device=action.uuid,
                                            message=f"destroyed {action.uuid}: {action.reason}"))
+
+    async def _set_mig_mode(self, action: SetMigMode) -> None:
+        """Switch an idle dynamic GPU's MIG mode; the driver may leave it pending (a process appeared,
+        or a reset is needed): that is logged and recorded, and the scheduler sees the real mode."""
+        index, word = action.gpu_index, "on" if action.enabled else "off"
+        if any(j.allocation is not None and any(d.gpu_index == index for d in j.allocation.devices)
+               for j in self.active_jobs()):
+            log.warning("GPU %d: MIG mode %s skipped: a job holds it now", index, word)
+            return
+        try:
+            change = await asyncio.to_thread(self.backend.set_mig_mode, index, action.enabled)
+        except GpuError as exc:
+            log.warning("GPU %d: MIG mode %s failed: %s", index, word, exc.message)
+            change = None
+        await self.refresh_inventory()
+        if change is not None:
+            done = change.current == action.enabled and not change.pending
+            message = f"MIG mode {word}: {action.reason}" if done else \
+                f"MIG mode {word} requested, not in effect: {change.detail or 'pending'} ({action.reason})"
+            self.metrics.record_mig_reconfiguration(index)
+            self.store.add_event(Event(at=self.clock(), kind="mig_mode", gpu=index, message=message))
+        self.wake()
 
     async def _gpu_call(self, fn: Callable[..., object], *args: object) -> bool:
         """Run a blocking backend call off the loop; False (logged) if the driver refused."""

@@ -66,12 +66,13 @@ class Interference:
     mig_create_s: float = 2.0
     mig_destroy_s: float = 1.0
     checkpoint_restore_s: float = 10.0  # a checkpointed job's GPU state copied back (80 GB at ~8 GB/s)
+    mig_mode_s: float = 10.0  # a MIG mode switch of an idle GPU (a GPU reset; no published figure)
 
     def __post_init__(self) -> None:
         if not 0 <= self.timeslice_overhead < 1 or not 0 <= self.mps_slowdown < 1:
             raise ValueError("timeslice_overhead and mps_slowdown must be in [0, 1)")
-        if self.mig_create_s < 0 or self.mig_destroy_s < 0 or self.checkpoint_restore_s < 0:
-            raise ValueError("mig_create_s, mig_destroy_s and checkpoint_restore_s must be >= 0")
+        if min(self.mig_create_s, self.mig_destroy_s, self.checkpoint_restore_s, self.mig_mode_s) < 0:
+            raise ValueError("mig_create_s, mig_destroy_s, checkpoint_restore_s and mig_mode_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

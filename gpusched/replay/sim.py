@@ -30,6 +30,7 @@ from gpusched.core.scheduler import (
     PreemptJob,
     ResumeJob,
     Scheduler,
+    SetMigMode,
     Snapshot,
     StartJob,
 )
@@ -218,7 +219,7 @@ class Simulator:
             again = False
             changed = False
             for action in actions:
-                if isinstance(action, (CreateInstance, DestroyInstance)):
+                if isinstance(action, (CreateInstance, DestroyInstance, SetMigMode)):
                     changed |= self._mig(action)
                     again = True
                 elif isinstance(action, PreemptJob):
@@ -297,10 +298,18 @@ class Simulator:
         if job is not None and job.state is JobState.STARTING:
             self.active[jid] = self._set(job, JobState.RUNNING, "MIG instance ready")
 
-    def _mig(self, action: CreateInstance | DestroyInstance) -> bool:
+    def _mig(self, action: CreateInstance | DestroyInstance | SetMigMode) -> bool:
         """Apply a MIG change through NVML (simulated); the GPU's changed slices are busy meanwhile."""
         try:
-            if isinstance(action, CreateInstance):
+            if isinstance(action, SetMigMode):
+                g = action.gpu_index
+                change = self.backend.set_mig_mode(g, action.enabled)
+                if change.pending or change.current != action.enabled:
+                    raise GpuError(f"MIG mode of GPU {g} did not change: {change.detail}")
+                done = max(self.busy_until.get(g, self.now), self.now) + self.inter.mig_mode_s
+                gpu_uuid = next(gpu.uuid for gpu in self.gpus if gpu.index == g)
+                self.ready_at[gpu_uuid] = done  # a whole GPU is usable once the switch is over
+            elif isinstance(action, CreateInstance):
                 inst = self.backend.create_instance(action.gpu_index, action.profile, action.start)
                 g = action.gpu_index
                 done = max(self.busy_until.get(g, self.now), self.now) + self.inter.mig_create_s
@@ -470,6 +479,13 @@ class Simulator:
         if self.policy.node.dynamic and any(isinstance(j.spec.request, MigRequest) for j in self.pending.values()):
             times += [t + cfg.mig.min_idle_s for t in self.idle_since.values()]
             times += [t + cfg.mig.min_reconfig_interval_s for t in self.last_change.values()]
+        if self.policy.node.dynamic and cfg.mig.toggle_mode:
+            # An idle dynamic GPU may switch MIG mode once idle min_idle_s (and reconfigured long
+            # enough ago): wake then, or a blocked job could wait for an event that never comes.
+            held = {d.gpu_index for j in self.active.values() if j.allocation for d in j.allocation.devices}
+            if any(g not in held for g in self.policy.node.dynamic):
+                times.append(self.now + cfg.mig.min_idle_s)
+                times += [t + cfg.mig.min_reconfig_interval_s for t in self.last_change.values()]
         if cfg.preempt_after_s is not None and any(j.spec.requeue for j in self.active.values()):
             times += [self._pending_since(j) + cfg.preempt_after_s for j in self.pending.values()]
             times += [j.started_at + cfg.preempt_min_run_s for j in self.active.values()

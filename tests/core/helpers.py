@@ -19,6 +19,7 @@ from gpusched.core.scheduler import (
     PreemptJob,
     ResumeJob,
     Scheduler,
+    SetMigMode,
     Snapshot,
     StartJob,
 )
@@ -102,7 +103,7 @@ class Node:
             out.extend(acts)
             for a in acts:
                 self.apply(a)
-            if not any(isinstance(a, (CreateInstance, DestroyInstance, PreemptJob)) for a in acts):
+            if not any(isinstance(a, (CreateInstance, DestroyInstance, SetMigMode, PreemptJob)) for a in acts):
                 break
         return out
 
@@ -145,6 +146,12 @@ class Node:
                     busy = {u for jb in self.active.values() if jb.allocation for u in jb.allocation.uuids}
                     assert a.uuid not in busy, f"destroyed busy instance {a.uuid}"
                     self.gpus[i] = replace(g, instances=tuple(x for x in g.instances if x.uuid != a.uuid))
+        elif isinstance(a, SetMigMode):
+            i = next(k for k, g in enumerate(self.gpus) if g.index == a.gpu_index)
+            g = self.gpus[i]
+            busy = {u for jb in self.active.values() if jb.allocation for u in jb.allocation.uuids}
+            assert g.uuid not in busy and not g.instances, f"MIG mode of GPU {g.index} changed while in use"
+            self.gpus[i] = replace(g, mig_enabled=a.enabled, mig_pending=a.enabled)
         elif isinstance(a, CreateInstance):
             i = next(k for k, g in enumerate(self.gpus) if g.index == a.gpu_index)
             g = self.gpus[i]

@@ -21,6 +21,7 @@ from gpusched.core.scheduler import (
     ResumeJob,
     Scheduler,
     SchedulerConfig,
+    SetMigMode,
     Snapshot,
     StartJob,
 )
@@ -406,3 +407,42 @@ def test_an_interactive_share_suspends_a_batch_share_in_place_and_it_loses_no_wo
     last_start = {jid: n.done[jid].started_at for jid in (1, 2)}
     assert last_start[victim] is not None and last_start[victim] >= 600.0  # its clock restarted at the resume
     assert n.service["trainer"] == pytest.approx(0.5 * 10_000.0 * 2)
+
+
+def test_idle_dynamic_gpus_leave_mig_mode_for_a_whole_gpu_job_and_come_back_for_mig_work() -> None:
+    """Issue 11: dynamic MIG must not drop the 8-GPU pods. Both GPUs are dynamic and in MIG mode;
+    a 2-GPU job switches them out of it once they have been idle `min_idle_s`, and a MIG job
+    afterwards switches one back."""
+    cfg = SchedulerConfig(mig=MigPolicy(min_idle_s=60.0, min_reconfig_interval_s=120.0))
+    n = Node(Scheduler(cfg, incremental=True), [gpu(0, mig=True), gpu(1, mig=True)], dynamic=frozenset({0, 1}))
+    n.submit(job(1, "alice", gpus=2), 1000.0)
+    n.run_until(30.0)
+    assert 1 in n.pending and not any(isinstance(a, SetMigMode) for a in n.actions)  # idle < min_idle_s
+    n.run_until(200.0)
+    switches = [a for a in n.actions if isinstance(a, SetMigMode)]
+    assert [(a.gpu_index, a.enabled) for a in switches] == [(0, False), (1, False)]
+    assert 1 in n.active
+    ended = n.ends[1]
+    n.run_until(ended + 5.0)
+    assert 1 in n.done
+    n.submit(job(2, "bob", mig="1g.10gb"), 300.0)
+    n.run_until(ended + 30.0)
+    assert 2 in n.pending  # the GPUs have been idle less than min_idle_s
+    n.run_until(ended + 200.0)
+    switches = [a for a in n.actions if isinstance(a, SetMigMode)]
+    assert [(a.gpu_index, a.enabled) for a in switches][2:] == [(0, True)]
+    assert 2 in n.active and n.gpus[0].mig_enabled and not n.gpus[1].mig_enabled
+
+
+def test_mig_mode_is_not_switched_when_it_would_not_make_the_job_fit() -> None:
+    cfg = SchedulerConfig(mig=MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    busy_mig = instance(1, "3g.40gb", 0)
+    n = Node(Scheduler(cfg, incremental=True), [gpu(0, mig=True), gpu(1, mig=True, instances=(busy_mig,))],
+             dynamic=frozenset({0, 1}))
+    n.submit(job(1, "alice", mig="3g.40gb"), 10_000.0)
+    n.run_until(10.0)
+    assert 1 in n.active
+    n.submit(job(2, "bob", gpus=2), 100.0)
+    n.run_until(500.0)
+    assert not any(isinstance(a, SetMigMode) for a in n.actions)  # GPU 1 is busy: GPU 0 alone would not do
+    assert 2 in n.pending

@@ -228,3 +228,23 @@ def test_interactive_users_get_a_gpu_from_a_backlogged_trainer(daemon_factory: A
         assert len(preempted) == 1 and "requeued" in preempted[0] and "interactive" in preempted[0], preempted
         assert sum(state_of(c, j) is JobState.RUNNING for j in trainer) == 1  # the other GPU is the headroom
         c.call(CancelRequest(job_ids=[*trainer, alice, bob]), CancelResult)
+
+
+def test_dynamic_gpus_leave_mig_mode_for_a_whole_gpu_job_and_return_for_mig_work(daemon_factory: Any) -> None:
+    """Issue 11: idle dynamic GPUs switch MIG mode from demand in the live daemon (SimNVML's
+    nvmlDeviceSetMigMode), with events that say why."""
+    daemon = daemon_factory(sim="H100-80GB:2", gpus={"0": GpuConfig(mig="dynamic"), "1": GpuConfig(mig="dynamic")},
+                            mig={"min_idle_s": 0.0, "min_reconfig_interval_s": 0.0})
+    with daemon.client() as c:
+        assert all(g.mig_enabled for g in c.call(GpusRequest(), GpusResult).gpus)
+        pod = submit(c, spec("true", gpus=2))
+        assert wait_done(c, pod).job.state is JobState.COMPLETED
+        assert not any(g.mig_enabled for g in c.call(GpusRequest(), GpusResult).gpus)
+        small = submit(c, spec("true").model_copy(update={"request": MigRequest(profile="1g.10gb")}))
+        assert wait_done(c, small).job.state is JobState.COMPLETED
+        modes = [g.mig_enabled for g in c.call(GpusRequest(), GpusResult).gpus]
+        assert modes.count(True) == 1
+    assert daemon.daemon is not None
+    events = [e for e in daemon.daemon.store.events(limit=50) if e.kind == "mig_mode"]
+    assert [e.message.split(":")[0] for e in events] == ["MIG mode off", "MIG mode off", "MIG mode on"]
+    assert f"job {pod} needs 2 whole GPU(s)" in events[0].message
