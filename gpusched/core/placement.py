@@ -129,6 +129,7 @@ class Cluster:
         self.by_gpu: dict[int, list[str]] = {}
         self.held: dict[int, _Held] = {}
         self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
+        self._fingerprint: tuple[object, ...] | None = None  # until the next change
 
     @classmethod
     def build(
@@ -214,6 +215,7 @@ class Cluster:
     # ---- changes -------------------------------------------------------------------------
     def commit(self, job: Job, alloc: Allocation) -> None:
         """Record a new allocation made by `place`; raises if it would break an invariant."""
+        self._fingerprint = None
         if job.id in self.held:
             raise ValueError(f"job {job.id} already holds devices")
         prec = precision_class(job.spec.precision)
@@ -237,6 +239,7 @@ class Cluster:
 
     def release(self, job_id: int) -> None:
         """Free what a job holds (it ended, or a what-if says it will)."""
+        self._fingerprint = None
         held = self.held.pop(job_id, None)
         if held is None:
             return
@@ -261,6 +264,7 @@ class Cluster:
     def pause(self, job_id: int) -> bool:
         """A share suspended in place: its compute is free, its memory and slot stay. False if the
         job holds no share here."""
+        self._fingerprint = None
         held = self.held.get(job_id)
         if held is None or not held.shared:
             return False
@@ -287,6 +291,7 @@ class Cluster:
         clients = [(self.devices[u], self.devices[u].clients.get(job_id)) for u in held.uuids if u in self.devices]
         if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
             return False
+        self._fingerprint = None
         for dev, c in clients:
             assert c is not None
             dev.used_fraction += c.share - c.fraction
@@ -297,8 +302,14 @@ class Cluster:
         """What decides whether a request fits: per device, held or not and the shares on it.
 
         Equal fingerprints mean every placement that failed on one fails on the other, which lets
-        the scheduler skip re-trying requests that found no room while nothing was freed.
+        the scheduler skip re-trying requests that found no room while nothing was freed. Kept until
+        the next commit, release, pause or unpause (a pass asks twice, mostly with nothing changed).
         """
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> tuple[object, ...]:
         return tuple((d.uuid, d.holder is not None, len(d.clients), round(d.used_fraction, 9), d.used_mem,
                       min((c.uid for c in d.clients.values()), default=-1) if d.mode == "mps" else 0,
                       d.mps_owner) for d in self.devices.values())

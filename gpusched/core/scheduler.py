@@ -215,6 +215,7 @@ class Scheduler:
         self._pinned: dict[int, frozenset[str]] = {}  # checkpointed job -> the devices it resumes on
         self._no_checkpoint: set[int] = set()  # running jobs the engine could not checkpoint
         self._yielded_for: dict[int, int] = {}  # share suspended in place -> the job it stopped for
+        self._no_victims: object = None  # the last victim search that found none (see _preempt)
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
@@ -503,9 +504,8 @@ class Scheduler:
                 self._count_running(rec, +1)
                 touched.add(job.user)
             if now > rec.last_charge:
-                if rec.running:
-                    self._accrue(rec, rec.fraction * (now - rec.last_charge))
-                    touched.add(rec.user)
+                if rec.running and self._accrue(rec, rec.fraction * (now - rec.last_charge)):
+                    touched.add(rec.user)  # v moved: the user's deadline did (within a commitment it does not)
                 rec.last_charge = now
             if running != rec.running:
                 rec.running = running
@@ -526,14 +526,16 @@ class Scheduler:
         for user in sorted(touched):  # sorted: replay must not depend on PYTHONHASHSEED
             self._sync_user(user)
 
-    def _accrue(self, rec: _Active, service: float) -> None:
-        """Charge used service; v moves only by what goes beyond the start's commitment."""
+    def _accrue(self, rec: _Active, service: float) -> bool:
+        """Charge used service; v moves only by what goes beyond the start's commitment. True if it moved."""
         over_before = max(0.0, rec.used - rec.committed)
         within = min(service, max(0.0, rec.committed - rec.used))
         rec.used += service
-        self.fair.charge(rec.user, service, virtual_gpu_s=max(0.0, rec.used - rec.committed) - over_before)
+        virtual = max(0.0, rec.used - rec.committed) - over_before
+        self.fair.charge(rec.user, service, virtual_gpu_s=virtual)
         if within > 0:
             self._outstanding(rec.user, -within)
+        return virtual != 0
 
     def _outstanding(self, user: str, delta: float) -> None:
         """Keep FairShare's view of each user's unused commitments (where joiners land) current."""
@@ -644,11 +646,18 @@ class Scheduler:
                        ends: list[tuple[float, int]]) -> _Reservation:
         sim = cluster.copy()
         need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
+        # A one-device request that does not fit now can fit only on a device a release touched:
+        # try those alone (a 1g job, once 30 jobs end one by one, is 30 small placements, not 30 full ones).
+        single = need_whole <= 1
+        everything = frozenset(sim.devices)
+        freed: set[str] = set()
         for end, jid in ends:
+            if single:
+                freed.update(sim.devices_of(jid))
             sim.release(jid)
-            if need_whole and sim.idle_whole() < need_whole:
+            if need_whole > 1 and sim.idle_whole() < need_whole:
                 continue  # cannot fit yet: skip the full placement
-            alloc = self._place(sim, job, reserved)
+            alloc = self._place(sim, job, reserved | (everything - freed) if single else reserved)
             if alloc is not None:
                 return _Reservation(job.id, max(end, now), frozenset(alloc.uuids))
         return _Reservation(job.id, math.inf, frozenset(), served_by_ends=False)
@@ -888,8 +897,14 @@ class Scheduler:
                 cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
         if not cands:
             return []
+        # Whether any set of these victims makes room depends only on what is held, the waiting job
+        # and who may be stopped how: a search that found none is not repeated until one changes.
+        memo_key = (cluster.fingerprint(), job.id, reserved, tuple(sorted((c.job_id, c.mode) for c in cands)))
+        if self._no_victims == memo_key:
+            return []
         victims = choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None)
         if not victims:
+            self._no_victims = memo_key
             return []
         out: list[Action] = []
         for cand in victims:
