@@ -5,7 +5,8 @@ entry point) against a real daemon, interleaved with the baseline `python -c pas
 shared machine hits them all alike. The baseline is the part no client code can remove: the
 interpreter starting and exiting. The goal (issue 13) is each command's p50 at most 3x the
 baseline's p50. Jobs stay PENDING behind a blocker that holds every GPU, so no job process competes
-for CPU; `queue` lists them all (30 pending jobs and the blocker, in a full run).
+for CPU; `queue` lists them all (30 pending jobs and the blocker, in a full run). The packages'
+bytecode is compiled first, as an installed package's is, so no run pays for compiling source.
 
     python bench/bench_cli.py            # 30 runs of each (~20 s on 2 cores)
     python bench/bench_cli.py --quick    # CI smoke (a few seconds)
@@ -14,19 +15,22 @@ for CPU; `queue` lists them all (30 pending jobs and the blocker, in a full run)
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import sys
 
 import harness as h
 
+import gpusched
+import gpusched_cli
 from gpusched_cli.client import Client
 
 GOAL = 3.0  # x python -c pass, p50
 
 
-def commands(gpusched: str, socket_path: str, show_id: int, cancel_ids: list[int]) -> dict[str, list[str]]:
+def commands(program: str, socket_path: str, show_id: int, cancel_ids: list[int]) -> dict[str, list[str]]:
     """Name -> argv of each timed process; `cancel` takes a fresh pending job on every run."""
-    base = [gpusched, "--socket", socket_path]
+    base = [program, "--socket", socket_path]
     return {
         "python -c pass": [sys.executable, "-c", "pass"],
         "python -c 'import gpusched_cli.main'": [sys.executable, "-c", "import gpusched_cli.main"],
@@ -37,15 +41,24 @@ def commands(gpusched: str, socket_path: str, show_id: int, cancel_ids: list[int
     }
 
 
+def compile_bytecode() -> None:
+    """Write the .pyc files an installed package has, so no run pays for compiling source: with
+    PYTHONDONTWRITEBYTECODE set (as in some shells and CI), every run would compile every module."""
+    for package in (gpusched, gpusched_cli):
+        for folder in package.__path__:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def measure(d: h.DaemonProc, runs: int) -> dict[str, list[float]]:
-    gpusched = os.path.join(os.path.dirname(sys.executable), "gpusched")
+    compile_bytecode()
+    program = os.path.join(os.path.dirname(sys.executable), "gpusched")
     with Client(d.socket) as c:
         h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))  # the blocker; cleanup() kills it
         show_id = h.submit_one(c, h.spec(["true"]))
         cancel_ids = [h.submit_one(c, h.spec(["true"])) for _ in range(runs)]
     times: dict[str, list[float]] = {}
     for _ in range(runs):
-        for name, argv in commands(gpusched, d.socket, show_id, cancel_ids).items():
+        for name, argv in commands(program, d.socket, show_id, cancel_ids).items():
             name = "gpusched cancel ID" if name.startswith("gpusched cancel") else name
             times.setdefault(name, []).append(h.time_process(argv))
     return times
