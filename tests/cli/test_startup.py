@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -102,12 +103,12 @@ def test_submit_queue_show_cancel_import_no_pydantic(node: DaemonHandle) -> None
         assert command_modules(names) == {module}, args
 
 
-def test_errors_are_reported_without_pydantic_too(tmp_path: str) -> None:
+def test_errors_are_reported_without_pydantic_too(tmp_path: Path) -> None:
     """Exit 3 (no daemon), 4 (no such job) and 2 (bad flag) take the same light path."""
-    proc, names = gpusched("--socket", os.path.join(str(tmp_path), "none.sock"), "queue")
+    proc, names = gpusched("--socket", str(tmp_path / "none.sock"), "queue")
     assert proc.returncode == 3 and "gpuschedd is not running" in proc.stderr
     assert heavy(names) == []
-    proc, names = gpusched("--socket", os.path.join(str(tmp_path), "none.sock"), "submit", "--gpus", "0", "true")
+    proc, names = gpusched("--socket", str(tmp_path / "none.sock"), "submit", "--gpus", "0", "true")
     assert proc.returncode == 2 and "--gpus" in proc.stderr
     assert heavy(names) == []
 
