@@ -19,6 +19,8 @@ import click
 from gpusched.wire import PROTOCOL_VERSION, ProtocolError
 from gpusched_cli.client import DaemonUnavailable
 from gpusched_cli.common import fail
+
+# The exit codes lived here before exits.py; re-exported for the tests and scripts that import them.
 from gpusched_cli.exits import CODE_EXITS as CODE_EXITS
 from gpusched_cli.exits import EXIT_CODES_HELP as EXIT_CODES_HELP
 from gpusched_cli.exits import EXIT_ERROR as EXIT_ERROR
