@@ -1,7 +1,10 @@
-"""A small synchronous client: connect, `hello`, then typed request -> result calls.
+"""A small synchronous client: connect, `hello`, then request -> result calls.
 
 Blocking sockets are right here: the CLI does one thing at a time, and a plain socket keeps the
-client's start-up cheap (no event loop for a one-shot `gpusched queue`).
+client's start-up cheap (no event loop for a one-shot `gpusched queue`). For the same reason this
+module imports no pydantic: `request` sends and returns plain JSON objects (the CLI's path); `call`
+takes and returns the protocol's models for typed callers (tests, benchmarks, `top`), importing
+them only when used.
 """
 
 from __future__ import annotations
@@ -10,17 +13,12 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-
-from gpusched.protocol import (
+from gpusched.wire import (
     HEADER,
     PROTOCOL_VERSION,
-    RESULT_TYPES,
     ErrorCode,
-    HelloRequest,
-    HelloResult,
     ProtocolError,
     decode_body,
     encode_frame,
@@ -28,7 +26,10 @@ from gpusched.protocol import (
     socket_candidates,
 )
 
-T = TypeVar("T", bound=BaseModel)
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+T = TypeVar("T", bound="BaseModel")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -96,7 +97,7 @@ class Client:
         self.path = path
         self.timeout = timeout
         self._sock: socket.socket | None = None
-        self.hello: HelloResult | None = None
+        self.hello: dict[str, Any] | None = None  # the daemon's HelloResult, as JSON
 
     def __enter__(self) -> Client:
         self.connect()
@@ -105,7 +106,7 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def connect(self) -> HelloResult:
+    def connect(self) -> dict[str, Any]:
         check_socket_owner(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
@@ -131,7 +132,8 @@ class Client:
             ) from None
         self._sock = sock
         try:
-            self.hello = self.call(HelloRequest(version=PROTOCOL_VERSION, client="gpusched-cli"), HelloResult)
+            # HelloRequest's fields in its order: the frame is byte for byte what the model would send.
+            self.hello = self.request({"op": "hello", "version": PROTOCOL_VERSION, "client": "gpusched-cli"})
         except BaseException:
             self.close()  # a refused hello (version mismatch, not allowed) must not leak the socket
             raise
@@ -142,20 +144,29 @@ class Client:
             self._sock.close()
             self._sock = None
 
-    def call(self, request: BaseModel, result_type: type[T]) -> T:
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one request (a plain JSON object) and return its result object as it came, or raise
+        ProtocolError from the daemon. The caller reads the result lazily (see `results.reading`)."""
+        reply = self.raw_call(message)
+        if reply.get("ok") is True:
+            result = reply.get("result")
+            if not isinstance(result, dict):
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"daemon sent a malformed result: {result!r:.200}")
+            return result
+        raise _daemon_error(reply)
+
+    def call(self, request: BaseModel | dict[str, Any], result_type: type[T]) -> T:
         """Send one request and return its typed result, or raise ProtocolError from the daemon."""
-        reply = self.raw_call(request.model_dump(mode="json"))
+        from pydantic import ValidationError  # typed callers have pydantic loaded already
+
+        message = request if isinstance(request, dict) else request.model_dump(mode="json")
+        reply = self.raw_call(message)
         if reply.get("ok") is True:
             try:
                 return result_type.model_validate(reply.get("result"))
             except ValidationError as exc:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"daemon sent a malformed result: {exc}") from None
-        err = reply.get("error") or {}
-        try:
-            code = ErrorCode(err.get("code", "internal"))
-        except ValueError:
-            code = ErrorCode.INTERNAL
-        raise ProtocolError(code, str(err.get("message", "unknown error")), str(err.get("hint", "")))
+        raise _daemon_error(reply)
 
     def raw_call(self, message: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:
@@ -182,5 +193,17 @@ class Client:
         return bytes(chunks)
 
 
+def _daemon_error(reply: dict[str, Any]) -> ProtocolError:
+    """The daemon's `{ok: false, error: {code, message, hint}}` as the exception the CLI maps to an exit code."""
+    err = reply.get("error") or {}
+    try:
+        code = ErrorCode(err.get("code", "internal"))
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return ProtocolError(code, str(err.get("message", "unknown error")), str(err.get("hint", "")))
+
+
 def result_type_for(op: str) -> type[BaseModel]:
+    from gpusched.protocol import RESULT_TYPES
+
     return RESULT_TYPES[op]

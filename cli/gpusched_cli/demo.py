@@ -81,8 +81,9 @@ class Demo:
             try:
                 with Client(self.socket, timeout=5) as client:
                     assert client.hello is not None
-                    print(f"gpuschedd {client.hello.daemon_version} answers on {self.socket} "
-                          f"(protocol {client.hello.version}, backend {client.hello.backend})")
+                    hello = client.hello
+                    print(f"gpuschedd {hello['daemon_version']} answers on {self.socket} "
+                          f"(protocol {hello['version']}, backend {hello['backend']})")
                     break
             except (DaemonUnavailable, OSError):
                 pass

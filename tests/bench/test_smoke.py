@@ -62,3 +62,11 @@ def test_crash_storm_quick() -> None:
 def test_spec_memory_quick() -> None:
     out = run_quick("spec_memory.py")
     assert "one value with an astral character" in out and "worst case per held job" in out
+
+
+@pytest.mark.timeout(120)
+def test_bench_cli_quick() -> None:
+    out = run_quick("bench_cli.py")
+    assert "python -c pass" in out
+    for command in ("submit", "queue", "show", "cancel"):
+        assert f"  {command}: p50 " in out, out

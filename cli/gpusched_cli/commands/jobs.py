@@ -1,0 +1,136 @@
+"""Looking at jobs and acting on them: queue, show, logs, cancel, suspend, resume, hold, release."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from gpusched_cli import messages, render
+from gpusched_cli.common import IDS, connected, echo, print_json, write_verbatim
+from gpusched_cli.exits import EXIT_INTERRUPTED
+from gpusched_cli.results import reading
+
+
+@click.command()
+@click.option("--all", "show_all", is_flag=True,
+              help="include finished jobs (those the daemon still keeps: see finished_job_retention_s)")
+@click.option("--user", metavar="USER", help="only this user's jobs")
+@click.option("--order", type=click.Choice(["id", "fairness"]), default="id", show_default=True,
+              help="fairness: pending jobs in the order the scheduler would start them")
+@click.option("--limit", type=click.IntRange(1, 3000), default=1000, show_default=True,
+              help="at most this many rows")
+@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N} (see docs/cli.md)')
+@click.pass_context
+def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, as_json: bool) -> None:
+    """List pending and running jobs (with --all, finished ones too)."""
+    labels: dict[str, str] = {}
+    with connected(ctx) as client:
+        result = client.request(messages.queue(all_jobs=show_all, user=user, order=order, limit=limit))
+        with reading("queue", result):
+            placed = not as_json and any(job["devices"] for job in result["jobs"])
+        if placed:
+            gpus = client.request(messages.bare("gpus"))
+            with reading("gpus", gpus):
+                labels = render.device_labels(gpus)
+    if as_json:
+        print_json(result)
+        return
+    with reading("queue", result):
+        text = render.queue_table(result["jobs"], time.time(), labels)
+        hidden = result.get("total", 0) - len(result["jobs"])
+    echo(text)
+    if hidden > 0:
+        echo(f"... {hidden} more not shown (narrow with --user, or --limit up to 3000)")
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="print the daemon's ShowResult (see docs/cli.md)")
+@click.pass_context
+def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
+    """Everything about one job: spec, state history, allocation, exit status, log path."""
+    with connected(ctx) as client:
+        result = client.request(messages.show(job_id))
+    if as_json:
+        print_json(result)
+        return
+    with reading("show", result):
+        text = render.show_text(result, time.time())
+    echo(text)
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@click.option("-f", "--follow", is_flag=True, help="keep printing new output until the job ends")
+@click.pass_context
+def logs(ctx: click.Context, job_id: int, follow: bool) -> None:
+    """Print a job's combined stdout and stderr, verbatim."""
+    offset = 0
+    try:
+        with connected(ctx) as client:
+            while True:
+                chunk = client.request(messages.logs(job_id, offset, 10.0 if follow else 0.0))
+                with reading("logs", chunk):
+                    data, next_offset, eof = str(chunk["data"]), int(chunk["next_offset"]), bool(chunk["eof"])
+                if data:
+                    write_verbatim(data)
+                advanced = next_offset != offset
+                offset = next_offset
+                if eof or (not follow and not advanced):
+                    return
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+@click.command()
+@IDS
+@click.pass_context
+def cancel(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Cancel jobs: pending ones leave the queue, running ones are stopped."""
+    with connected(ctx) as client:
+        result = client.request(messages.cancel(list(job_ids)))
+    with reading("cancel", result):
+        text = render.cancel_text(result)
+    echo(text)
+
+
+def _job_control(ctx: click.Context, op: str, job_ids: tuple[int, ...], done: str) -> None:
+    with connected(ctx) as client:
+        result = client.request(messages.job_control(op, list(job_ids)))
+    with reading(op, result):
+        text = render.changed_text(done, result)
+    echo(text)
+
+
+@click.command()
+@IDS
+@click.pass_context
+def suspend(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Pause running jobs (SIGSTOP); they keep their devices and GPU memory."""
+    _job_control(ctx, "suspend", job_ids, "Suspended")
+
+
+@click.command()
+@IDS
+@click.pass_context
+def resume(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Continue suspended jobs (SIGCONT)."""
+    _job_control(ctx, "resume", job_ids, "Resumed")
+
+
+@click.command()
+@IDS
+@click.pass_context
+def hold(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Keep pending jobs from starting until they are released."""
+    _job_control(ctx, "hold", job_ids, "Held")
+
+
+@click.command()
+@IDS
+@click.pass_context
+def release(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Let held jobs start again."""
+    _job_control(ctx, "release", job_ids, "Released")

@@ -1,0 +1,277 @@
+"""`gpusched submit`: flags -> a JobSpec as plain JSON -> one `submit` request (and `--wait`).
+
+The spec is built as the JSON the JobSpec model would dump (gpusched_cli.messages), without
+pydantic: the model is consulted only for a spec that might break one of its limits, so its message
+still names the field (exit 2) and the common case stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+import click
+
+from gpusched_cli import messages, render
+from gpusched_cli.client import Client
+from gpusched_cli.common import connected, echo, print_json
+from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
+from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_export, parse_size_mib
+from gpusched_cli.results import reading
+
+# Flag values are converted in callbacks rather than click.ParamType subclasses: ParamType became
+# generic in click 8.2+, and callbacks type-check the same on every click we support.
+
+
+def _size_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    try:
+        return None if value is None else parse_size_mib(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def _time_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    try:
+        return None if value is None else parse_duration_s(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+JOB_ID_MAX = 2**63 - 1  # gpusched.model.JobId: SQLite's INTEGER primary key
+
+
+def _after_flag(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[dict[str, Any]]:
+    try:
+        pairs = [pair for text in value for pair in parse_dependencies(text)]
+        if any(job_id > JOB_ID_MAX for job_id, _ in pairs):  # no such job can exist: the model says why
+            from gpusched.model import Dependency
+
+            for job_id, condition in pairs:
+                Dependency(job_id=job_id, condition=condition)  # raises ValidationError, a ValueError
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return [messages.dependency(job_id, condition) for job_id, condition in pairs]
+
+
+def _fraction_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a fraction; use a number in (0, 1] such as 0.25, or a percentage: 25%",
+            ctx,
+            param,
+        ) from None
+    if not 0.0 < fraction <= 1.0:
+        raise click.BadParameter(
+            f"{value!r} must be more than 0 and at most 1 (a fraction of one GPU's compute)", ctx, param
+        )
+    return fraction
+
+
+_MIG_PROFILE = re.compile(r"^[0-9]+g\.[0-9]+gb(\+me)?$")
+
+
+def _check_mig(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not _MIG_PROFILE.match(value):
+        raise click.BadParameter(
+            f"{value!r} is not a MIG profile; profiles look like 1g.10gb, 3g.40gb, 7g.80gb "
+            "(`gpusched gpus` shows the ones in use)",
+            ctx,
+            param,
+        )
+    return value
+
+
+
+def build_request(
+    gpus: int | None, mig: str | None, share: float | None, gpu_mem_mib: int | None
+) -> dict[str, Any]:
+    """Exactly one of --gpus / --mig / --share+--gpu-mem; the error names the flags involved."""
+    chosen = [flag for flag, v in (("--gpus", gpus), ("--mig", mig), ("--share", share)) if v is not None]
+    if len(chosen) != 1:
+        said = f"got {' and '.join(chosen)}" if chosen else "got none"
+        raise click.UsageError(
+            f"choose exactly one of --gpus N, --mig PROFILE or --share F --gpu-mem SIZE ({said})"
+        )
+    if gpu_mem_mib is not None and share is None:
+        raise click.UsageError(
+            "--gpu-mem SIZE goes with --share F (whole GPUs and MIG instances bring their own memory)"
+        )
+    if gpus is not None:
+        return messages.whole(gpus)
+    if mig is not None:
+        return messages.mig(mig)
+    assert share is not None
+    if gpu_mem_mib is None:
+        raise click.UsageError("--share F needs --gpu-mem SIZE, the GPU memory cap of the share (e.g. 10G)")
+    return messages.share(share, gpu_mem_mib)
+
+
+# JobSpec's limits that the flags above leave open (gpusched.model; tests/cli/test_messages.py keeps
+# them equal). A spec inside them is valid; one that may be outside goes to the model for its verdict.
+MAX_SPEC_BYTES = 256 * 1024
+SPEC_STRING_OVERHEAD = 9
+MAX_NAME = 128
+MAX_PROFILE = 32
+MAX_AFTER = 64
+
+
+def might_be_invalid(spec: dict[str, Any]) -> bool:
+    """True unless `spec` is certainly within JobSpec's limits (flag values are checked already).
+
+    The size test is an upper bound of model.spec_bytes, not a copy of it: UTF-8 takes at most 4
+    bytes a character, so only a spec near the limit (far above a usual environment) pays for the model.
+    """
+    strings = [*spec["argv"], spec["cwd"], *(f"{k}={v}" for k, v in spec["env"].items())]
+    if spec["name"] is not None:
+        if len(spec["name"]) > MAX_NAME:
+            return True
+        strings.append(spec["name"])
+    request = spec["request"]
+    return (
+        sum(4 * len(s) + SPEC_STRING_OVERHEAD for s in strings) > MAX_SPEC_BYTES
+        or any("\x00" in arg for arg in spec["argv"])
+        or (request["kind"] == "mig" and len(request["profile"]) > MAX_PROFILE)
+        or len(spec["after"]) > MAX_AFTER
+    )
+
+
+def check_with_model(spec: dict[str, Any]) -> None:
+    """Validate `spec` with the JobSpec model; a refusal is a usage error naming the field."""
+    from pydantic import ValidationError
+
+    from gpusched.model import JobSpec
+    from gpusched.protocol import describe_validation_error
+
+    try:
+        JobSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise click.UsageError(describe_validation_error(exc)) from None
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option("--gpus", type=click.IntRange(1, 64), help="N whole GPUs")
+@click.option("--mig", metavar="PROFILE", callback=_check_mig, help="one MIG instance, e.g. 3g.40gb")
+@click.option("--share", metavar="F", callback=_fraction_flag,
+              help="a fraction of one GPU's compute (MPS), e.g. 0.25 or 25%; needs --gpu-mem")
+@click.option("--gpu-mem", "gpu_mem", metavar="SIZE", callback=_size_flag,
+              help="GPU memory cap with --share: 10G, 512M, 1.5GiB, 1024 (MiB)")
+@click.option("--name", help="job name (default: the program's name)")
+@click.option("--time", "time_limit", metavar="TIME", callback=_time_flag,
+              help="time limit: minutes, M:S, H:M:S, D-H:M:S, or 30s / 5m / 2h / 1d")
+@click.option("--class", "job_class", type=click.Choice(["batch", "interactive"]), default="batch",
+              show_default=True, help="interactive jobs start sooner, without a bigger share")
+@click.option("--nice", type=click.IntRange(0, 19), default=0, show_default=True,
+              help="lower the job's priority among your own jobs")
+@click.option("--requeue", is_flag=True, help="put the job back in the queue if it is preempted")
+@click.option("--after", multiple=True, metavar="ID[:ok|any]", callback=_after_flag,
+              help="start only after job ID ended (ok: COMPLETED, the default; any: however); repeatable")
+@click.option("--cpus", type=click.IntRange(1, 4096), help="host CPU cores for the job")
+@click.option("--mem", "mem", metavar="SIZE", callback=_size_flag, help="host memory limit: 32G, 512M, ...")
+@click.option("--hold", is_flag=True, help="submit held: the job starts only after `gpusched release`")
+@click.option("--export", "export", default="ALL", show_default=True, metavar="ALL|NONE|VAR[=VAL],...",
+              help="the job's environment, as sbatch: all of yours, none, or only the listed variables")
+@click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32", "tf32"]),
+              help="prefer GPUs that are fast at this precision")
+@click.option("--wait", is_flag=True, help="block until the job ends and exit with its exit code")
+@click.option("--json", "as_json", is_flag=True, help='print {"job_id": N, "state": S}')
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
+@click.pass_context
+def submit(
+    ctx: click.Context,
+    gpus: int | None,
+    mig: str | None,
+    share: float | None,
+    gpu_mem: int | None,
+    name: str | None,
+    time_limit: int | None,
+    job_class: str,
+    nice: int,
+    requeue: bool,
+    after: list[dict[str, Any]],
+    cpus: int | None,
+    mem: int | None,
+    hold: bool,
+    export: str,
+    precision: str | None,
+    wait: bool,
+    as_json: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Queue CMD (run without a shell, in this directory, with this environment).
+
+    \b
+    Examples:
+      gpusched submit --gpus 2 --time 4:00:00 -- python train.py --lr 3e-4
+      gpusched submit --mig 3g.40gb --name eval -- ./eval.sh
+      gpusched submit --share 0.25 --gpu-mem 10G --wait -- python infer.py
+    """
+    request = build_request(gpus, mig, share, gpu_mem)
+    try:
+        env = parse_export(export, os.environ)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--export") from None
+    spec = messages.job_spec(
+        argv=list(command),
+        cwd=os.getcwd(),
+        env=env,
+        request=request,
+        name=name,
+        time_limit_s=time_limit,
+        job_class=job_class,
+        nice=nice,
+        requeue=requeue,
+        precision=precision,
+        after=after,
+        cpus=cpus,
+        mem_mib=mem,
+    )
+    if might_be_invalid(spec):
+        check_with_model(spec)
+
+    with connected(ctx) as client:
+        submitted = client.request(messages.submit(spec, hold))
+        with reading("submit", submitted):
+            job_id, state = int(submitted["job_id"]), str(submitted["state"])
+        try:  # from here on Ctrl-C only stops the waiting: say so, and which job lives on
+            if as_json:
+                print_json({"job_id": job_id, "state": state}, compact=True)
+            else:
+                echo(f"Submitted job {job_id}")
+            if not wait:
+                return
+            job = _wait_for(client, job_id)
+        except KeyboardInterrupt:
+            echo(
+                f"\nStopped waiting; job {job_id} keeps running "
+                f"(`gpusched cancel {job_id}` to stop it)",
+                err=True,
+            )
+            sys.exit(EXIT_INTERRUPTED)
+    with reading("wait", {"job": job, "finished": True}):
+        status = job_exit_status(job)
+        if as_json:
+            print_json(
+                {"job_id": job["id"], "state": job["state"], "exit_code": job.get("exit_code"),
+                 "signal": job.get("signal"), "exit_status": status},
+                compact=True,
+            )
+        else:
+            echo(render.final_state_text(job), err=True)
+    sys.exit(status)
+
+
+def _wait_for(client: Client, job_id: int) -> dict[str, Any]:
+    """Long-poll `wait` until the job is in a final state (a requeued job is waited through)."""
+    while True:
+        result = client.request(messages.wait(job_id, 30.0))
+        with reading("wait", result):
+            if result["finished"]:
+                job: dict[str, Any] = result["job"]
+                return job

@@ -1,0 +1,57 @@
+"""What every command module shares: a connected client, and printing that is safe on a terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import click
+
+from gpusched_cli import render
+from gpusched_cli.client import Client, resolve_socket
+
+
+def echo(message: str, err: bool = False) -> None:
+    """Print for people: every character a terminal would act on is escaped (render.printable), since
+    names, commands, reasons and even error messages can carry other users' text."""
+    click.echo(render.printable(message), err=err)
+
+
+def fail(message: str, hint: str, code: int) -> NoReturn:
+    echo(f"error: {message}", err=True)
+    if hint:
+        echo(f"hint: {hint}", err=True)
+    sys.exit(code)
+
+
+@contextmanager
+def connected(ctx: click.Context, timeout: float = 60.0) -> Iterator[Client]:
+    """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery."""
+    obj = ctx.find_root().obj
+    path = resolve_socket(obj.get("socket"))
+    obj["socket_path"] = path
+    client = Client(path, timeout=timeout)
+    try:
+        client.connect()  # not `with Client(...)`: a refused hello would leave the socket open
+        yield client
+    finally:
+        client.close()
+
+
+def print_json(data: Any, compact: bool = False) -> None:
+    """The daemon's result as it sent it (the documented `--json` shape), or a dict of our own."""
+    echo(json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2))
+
+
+def write_verbatim(text: str) -> None:
+    """Log text exactly as the job wrote it: no ANSI stripping (click.echo would), no re-encoding."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
+    sys.stdout.buffer.flush()
+
+
+# The job-id arguments of cancel / suspend / resume / hold / release.
+IDS = click.argument("job_ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID [ID]...")

@@ -1,0 +1,125 @@
+"""The requests the CLI sends, as plain JSON objects: each is what its pydantic model would dump.
+
+Every field of the model is written, in the model's order and with its JSON type (`30.0`, not
+`30`), so the frame is byte for byte the one `Request(...).model_dump(mode="json")` gave before the
+client stopped importing pydantic. `tests/cli/test_messages.py` holds each builder to its model.
+The daemon still validates every request with the models (gpusched/protocol.py); range checks not
+made here are made there and come back as `bad_request` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Message = dict[str, Any]
+
+
+def hello(version: str, client: str) -> Message:
+    return {"op": "hello", "version": version, "client": client}
+
+
+def submit(spec: Message, hold: bool) -> Message:
+    return {"op": "submit", "spec": spec, "hold": hold}
+
+
+def job_spec(
+    *,
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    request: Message,
+    name: str | None,
+    time_limit_s: int | None,
+    job_class: str,
+    nice: int,
+    requeue: bool,
+    precision: str | None,
+    after: list[Message],
+    cpus: int | None,
+    mem_mib: int | None,
+) -> Message:
+    """JobSpec's fields; `time_limit_s` is a float on the wire, as the model has it."""
+    return {
+        "argv": argv,
+        "cwd": cwd,
+        "env": env,
+        "request": request,
+        "name": name,
+        "time_limit_s": None if time_limit_s is None else float(time_limit_s),
+        "job_class": job_class,
+        "nice": nice,
+        "requeue": requeue,
+        "precision": precision,
+        "after": after,
+        "cpus": cpus,
+        "mem_mib": mem_mib,
+    }
+
+
+def whole(gpus: int) -> Message:
+    return {"kind": "whole", "gpus": gpus}
+
+
+def mig(profile: str) -> Message:
+    return {"kind": "mig", "profile": profile}
+
+
+def share(fraction: float, gpu_mem_mib: int) -> Message:
+    return {"kind": "share", "fraction": float(fraction), "gpu_mem_mib": gpu_mem_mib}
+
+
+def dependency(job_id: int, condition: str) -> Message:
+    return {"job_id": job_id, "condition": condition}
+
+
+def queue(*, all_jobs: bool, user: str | None, limit: int, order: str, after_id: int | None = None) -> Message:
+    return {"op": "queue", "all": all_jobs, "user": user, "limit": limit, "after_id": after_id, "order": order}
+
+
+def show(job_id: int) -> Message:
+    return {"op": "show", "job_id": job_id}
+
+
+def cancel(job_ids: list[int]) -> Message:
+    return {"op": "cancel", "job_ids": job_ids}
+
+
+def job_control(op: str, job_ids: list[int]) -> Message:
+    """suspend / resume / hold / release: the same shape under four names."""
+    return {"op": op, "job_ids": job_ids}
+
+
+LOGS_MAX_BYTES = 256 * 1024  # LogsRequest's default
+
+
+def logs(job_id: int, offset: int, wait_s: float) -> Message:
+    return {"op": "logs", "job_id": job_id, "offset": offset, "max_bytes": LOGS_MAX_BYTES, "wait_s": float(wait_s)}
+
+
+def wait(job_id: int, timeout_s: float) -> Message:
+    return {"op": "wait", "job_id": job_id, "timeout_s": float(timeout_s)}
+
+
+def gpu_drain(device: str, reason: str) -> Message:
+    return {"op": "gpu_drain", "device": device, "reason": reason}
+
+
+def gpu_resume(device: str) -> Message:
+    return {"op": "gpu_resume", "device": device}
+
+
+def mig_apply(gpu: int, layout: list[str], dry_run: bool) -> Message:
+    return {"op": "mig_apply", "gpu": gpu, "layout": layout, "dry_run": dry_run}
+
+
+def sim_inject_xid(gpu: int, xid: int, gi: int | None, ci: int | None, lost: bool) -> Message:
+    return {"op": "sim_inject_xid", "gpu": gpu, "xid": xid, "gi": gi, "ci": ci, "lost": lost}
+
+
+def stats(since_s: float) -> Message:
+    return {"op": "stats", "since_s": float(since_s)}
+
+
+def bare(op: str) -> Message:
+    """gpus / doctor / reload / shutdown: requests with nothing but their name."""
+    return {"op": op}
