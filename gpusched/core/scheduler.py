@@ -196,7 +196,9 @@ class Scheduler:
         self._gpu_idle_since: dict[int, float] = {}  # dynamic GPU -> since when nothing has run on it
         self._preempting: dict[int, float] = {}
         self._started_at_first_plan: float | None = None
-        self._blocked: dict[int, str] = {}  # pending job id -> why it did not start in the last pass
+        # pending job id -> why it did not start in the last pass; None: it did not fit, and what it
+        # needs is worded only when someone asks (against the pass's final placement state)
+        self._blocked: dict[int, str | None] = {}
         self._reservation: _Reservation | None = None
         self._last_now = 0.0
         self._last_pending: tuple[Job, ...] | None = None  # identity fast path for an unchanged tuple
@@ -331,7 +333,6 @@ class Scheduler:
         self._reservation = None
         head: Job | None = None
         fails: set[object] = set()
-        need_text: dict[object, str] = {}  # signature -> why it does not fit, once per pass
         mig_demand: list[str] = []
         doomed: frozenset[str] = frozenset()  # idle instances the head's MIG reconfiguration needs
         remembered = False  # fails were carried over from the last pass (nothing freed since)
@@ -396,10 +397,7 @@ class Scheduler:
                             wanted.append(job.spec.request.profile)
                             if len(mig_demand) < self.config.max_mig_demand:
                                 mig_demand.append(job.spec.request.profile)
-                        text = need_text.get(sig)
-                        if text is None:
-                            text = need_text[sig] = self._need(job, cluster)
-                        self._blocked[job.id] = text
+                        self._blocked[job.id] = None
                         continue
                     ok, why = self._backfill_ok(job, alloc, now)
                     if ok:
@@ -988,7 +986,10 @@ class Scheduler:
         if not self.fair.is_eligible(job.user):
             standing += " (not eligible until others catch up)"
         parts = [f"job {job_id} ({describe_request(job.spec.request)}, {job.spec.job_class})"]
-        parts.append(self._blocked.get(job_id, "waiting behind the jobs ahead of it by fairness"))
+        blocked = self._blocked.get(job_id, "waiting behind the jobs ahead of it by fairness")
+        if blocked is None:
+            blocked = self._need(job, self._cluster) if self._cluster is not None else "no room for it yet"
+        parts.append(blocked)
         parts.append(standing)
         parts.append(f"{ahead} job(s) ahead by fairness")
         res = self._reservation
