@@ -135,7 +135,10 @@ class Executor:
             "uid": who.uid, "gid": who.gid, "groups": list(who.groups), "drop_privileges": who.drop,
             "cgroup": cgroup, "cpuset": list(cpuset),
         }
-        write_atomic(os.path.join(job_dir, LAUNCH), launch)
+        # Not fsynced: only shims of this boot read it (a machine crash ends them, and a restarted
+        # daemon rewrites or revokes it before any other shim could), and its two fsyncs were on
+        # every launch's critical path. shim.json and status.json stay durable.
+        write_atomic(os.path.join(job_dir, LAUNCH), launch, durable=False)
         try:
             shim = await self.shims.start(job_dir, deadline_s)
         except LostLaunch:
