@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,7 @@ class ForkServer:
                     proc.channel.sendmsg([json.dumps({"id": request_id, "job_dir": job_dir}).encode()],
                                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [report_fd]))])
                 except OSError as exc:  # EPIPE / ECONNRESET: it is gone, and never saw the request
-                    self._lose(proc, f"could not be asked: {exc.strerror or exc}", failed=False)
+                    self._lose(proc, f"could not be asked: {exc.strerror or exc}", failed=not proc.answered)
                     raise ForkServerError(f"the fork server is gone: {exc.strerror or exc}", sent=False) from None
                 try:
                     async with asyncio.timeout(min(timeout_s, self.reply_timeout_s)):
@@ -236,4 +237,12 @@ class ForkServer:
             loop.remove_reader(proc.pidfd)
             os.close(proc.pidfd)
             proc.exited.cancel()
+            # It is still our child: reap it whenever it exits (a daemon restarted in-process, as
+            # the tests do, would otherwise collect zombies; a daemon that exits leaves it to PID 1).
+            threading.Thread(target=_reap, args=(proc.pid,), name="gpusched-forkserver-reaper", daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 

@@ -138,7 +138,8 @@ class ShimStarter:
         return Shim(pid=pid, stdout_fd=stdout_fd, exited=exited, pidfd=pidfd, forked=forked)
 
     async def _after_lost_request(self, job_dir: str, read_fd: int, deadline_s: float) -> Shim | None:
-        """The fork server is gone and may have forked a shim for us: the report pipe says (see above)."""
+        """The fork server failed (died, hung, or sent no pidfd) and may have forked a shim for us:
+        the report pipe says (see above)."""
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         loop.add_reader(read_fd, lambda: None if ready.done() else ready.set_result(None))
@@ -146,7 +147,7 @@ class ShimStarter:
             async with asyncio.timeout(deadline_s):
                 await ready
         except TimeoutError:
-            raise LostLaunch(f"the fork server was lost mid-launch and its shim did not report within "
+            raise LostLaunch(f"the fork server failed mid-launch and its shim did not report within "
                              f"{deadline_s:g} s") from None
         finally:
             loop.remove_reader(read_fd)
@@ -161,11 +162,11 @@ class ShimStarter:
                 pidfd = -1
             if pidfd >= 0:
                 if process_start_time(pid) == start:  # the very shim, not a reused pid
-                    log.warning("%s: the fork server was lost mid-launch; watching the shim it forked (pid %d)",
+                    log.warning("%s: the fork server failed mid-launch; watching the shim it forked (pid %d)",
                                 job_dir, pid)
                     return self._watch(pid, read_fd, pidfd, forked=True)
                 os.close(pidfd)
-        raise LostLaunch("the fork server was lost mid-launch and the shim it forked cannot be identified")
+        raise LostLaunch("the fork server failed mid-launch and the shim it forked cannot be identified")
 
 
 def _unread_bytes(fd: int) -> int:
