@@ -113,6 +113,7 @@ class ForkServer:
 
     async def fork_shim(self, job_dir: str, report_fd: int, timeout_s: float) -> Forked:
         """A shim for `job_dir` whose stdout is `report_fd` (a pipe's write end; we keep our copy)."""
+        job_dir = os.path.abspath(job_dir)  # the fork server's cwd is /, and it wants JOBS_DIR/ID exactly
         async with self._lock:
             proc = self._ensure_started()
             assert proc.channel is not None

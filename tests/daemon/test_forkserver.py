@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
+from gpusched.config import ConfigError, load_config
 from gpusched.daemon import forkserver, shim
 from gpusched.daemon.executor import Executor, ExitStatus, Identity, Started
 from gpusched.daemon.forkclient import ForkServer, ForkServerError
 from gpusched.model import JobState
+from gpusched.protocol import ReloadRequest, ReloadResult
 from gpusched_cli.client import Client
 from tests.conftest import DaemonHandle, DaemonProcess, kill_job_processes, wait_until
 from tests.integration.test_daemon import spec, state_of, submit, wait_done
@@ -392,4 +394,20 @@ def test_kill_9_of_the_daemon_leaves_forked_jobs_to_the_next_one(daemon_process:
         assert (job.state, job.exit_code) == (JobState.FAILED, 7)
         assert wait_done(c, submit(c, spec("true"))).job.state is JobState.COMPLETED
     wait_until(lambda: not _alive(old), what="the dead daemon's fork server to exit after its last shim")
+    assert proc.terminate() == 0
+
+
+def test_the_launcher_is_chosen_at_start_and_a_bad_one_is_named(daemon_process: Callable[..., DaemonProcess],
+                                                                tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('launcher = "vfork"\n')
+    with pytest.raises(ConfigError, match="launcher"):
+        load_config(str(bad), {"socket": "/tmp/x.sock", "state_dir": "/tmp/x"})
+    proc = daemon_process().start()
+    proc.write_config('launcher = "spawn"\n')
+    with Client(proc.socket) as c:
+        assert c.call(ReloadRequest(), ReloadResult).restart_needed == ["launcher"]  # a process started with it
+        job_id = submit(c, spec("sleep", "600"))
+        wait_until(lambda: state_of(c, job_id) is JobState.RUNNING, what="job running")
+        assert _forked_by_server(_shim_of(proc.state_dir, job_id))  # still the fork server until a restart
     assert proc.terminate() == 0
