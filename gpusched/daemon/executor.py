@@ -139,6 +139,8 @@ class Executor:
         # daemon rewrites or revokes it before any other shim could), and its two fsyncs were on
         # every launch's critical path. shim.json and status.json stay durable.
         write_atomic(os.path.join(job_dir, LAUNCH), launch, durable=False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s  # the fork server's part counts too
         try:
             shim = await self.shims.start(job_dir, deadline_s)
         except LostLaunch:
@@ -146,12 +148,11 @@ class Executor:
             raise
         self._shims[job_id] = shim
         pid = 0
-        loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=2**20)
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(shim.stdout_fd, "rb", 0))
         try:
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout_at(deadline):
                 first = await reader.readline()
                 if not first:  # left in _shims: wait() reaps it and reports the job FAILED
                     code = await shim.exited
