@@ -102,19 +102,25 @@ async def _finish(executor: Executor, job_id: int, go: str) -> ExitStatus | None
     return await asyncio.wait_for(executor.wait(job_id), 30)
 
 
-def _faulty_server(tmp_path: Path, after_fork: bool) -> str:
-    """A fork server that takes one request, forks the real shim for it or not, and dies without replying."""
+def _faulty_server(tmp_path: Path, mode: str) -> str:
+    """A fork server that takes one request and then dies: `before_fork`, `after_fork` (the real
+    shim forked, no reply), or `reply_without_pidfd` (forked, and the reply lacks the pidfd, as when
+    the real one is out of descriptors)."""
     script = tmp_path / "faulty_forkserver.py"
-    become = "forkserver._become_shim(forkserver.load_shim(), request['job_dir'], fds[0])"
     script.write_text(f"""
 import importlib.util, json, os, socket
 spec = importlib.util.spec_from_file_location("forkserver", {forkserver.__file__!r})
 forkserver = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(forkserver)
-data, fds = forkserver.receive(socket.socket(fileno=0))
+channel = socket.socket(fileno=0)
+data, fds = forkserver.receive(channel)
 request = json.loads(data)
-if {after_fork!r} and os.fork() == 0:
-    {become}
+if {mode!r} != "before_fork":
+    pid = os.fork()
+    if pid == 0:
+        forkserver._become_shim(forkserver.load_shim(), request["job_dir"], fds[0])
+    if {mode!r} == "reply_without_pidfd":
+        channel.send(json.dumps({{"id": request["id"], "pid": pid}}).encode())
 os._exit(9)
 """)
     return str(script)
@@ -205,8 +211,9 @@ def test_the_fork_server_refuses_a_directory_outside_the_jobs_dir(state_dir: str
     _run(body, state_dir)
 
 
-def test_a_fork_server_lost_after_forking_leaves_the_shim_it_forked_in_charge(state_dir: str,
-                                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["after_fork", "reply_without_pidfd"])
+def test_a_fork_server_lost_after_forking_leaves_the_shim_it_forked_in_charge(state_dir: str, tmp_path: Path,
+                                                                            mode: str) -> None:
     """No second shim: the launch belongs to the one forked before the fork server died."""
     go = os.path.join(os.path.dirname(state_dir), "go")
 
@@ -214,7 +221,7 @@ def test_a_fork_server_lost_after_forking_leaves_the_shim_it_forked_in_charge(st
         forks = executor.shims.forks
         assert forks is not None
         forks.close()  # the real one; the next launch starts the faulty one
-        forks.program = _faulty_server(tmp_path, after_fork=True)
+        forks.program = _faulty_server(tmp_path, mode)
         started = await executor.start(1, _waits_for(go, 6), "/", {"PATH": "/usr/bin:/bin"}, ME)
         assert started.error is None
         shim_pid = _record(executor.job_dir(1))["shim_pid"]
@@ -232,7 +239,7 @@ def test_a_fork_server_lost_before_forking_means_a_spawned_shim(state_dir: str, 
         forks = executor.shims.forks
         assert forks is not None
         forks.close()
-        forks.program = _faulty_server(tmp_path, after_fork=False)
+        forks.program = _faulty_server(tmp_path, "before_fork")
         started = await executor.start(1, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
         assert started.error is None
         shim_pid = _record(executor.job_dir(1))["shim_pid"]
