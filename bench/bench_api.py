@@ -4,7 +4,9 @@ Every ack means the job is committed to SQLite with synchronous=FULL, so a submi
 cheaper than one durable commit. The baseline for throughput is that floor, measured in the same
 run on the same disk: one INSERT + COMMIT in WAL mode with synchronous=FULL. The ratio is then
 what protocol + daemon add on top of durability. The CLI's baseline is `python -c pass`: the part
-of `gpusched submit` that no client code can remove.
+of `gpusched submit` that no client code can remove. The baseline for submit->RUNNING is the same
+daemon with `launcher = "spawn"` (a Python interpreter started per job's shim, as before the fork
+server), sampled alternately with the default `launcher = "forkserver"` in the same run.
 
     python bench/bench_api.py            # full run (~1 min on 2 cores)
     python bench/bench_api.py --quick    # CI smoke (a few seconds)
@@ -13,6 +15,7 @@ of `gpusched submit` that no client code can remove.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sqlite3
 import sys
@@ -85,22 +88,25 @@ class Latency:
     running: list[float]  # submit sent -> RUNNING committed (process started)
 
 
-def latency(d: h.DaemonProc, samples: int) -> Latency:
+def latency(daemons: dict[str, h.DaemonProc], samples: int) -> dict[str, Latency]:
     """Submit `true` (1 GPU) to an idle node, one at a time, and read the transition times from its
-    history (the daemon stamps them with the same wall clock we read here)."""
-    out = Latency([], [], [])
+    history (the daemon stamps them with the same wall clock we read here). With several daemons
+    (one per launcher) the samples alternate between them, so drift on a shared machine hits all alike."""
+    out = {name: Latency([], [], []) for name in daemons}
     job = h.spec(["true"], gpus=1)
-    with Client(d.socket, timeout=60) as c:
+    with contextlib.ExitStack() as stack:
+        clients = {name: stack.enter_context(Client(d.socket, timeout=60)) for name, d in daemons.items()}
         for _ in range(samples):
-            t0 = time.time()
-            job_id = h.submit_one(c, job)
-            out.ack.append(time.time() - t0)
-            done = c.call(WaitRequest(job_id=job_id, timeout_s=30), WaitResult)
-            if not done.finished:
-                raise RuntimeError(f"job {job_id} did not finish within 30 s: {done.job.state}")
-            at = {t.state: t.at for t in done.job.history}
-            out.starting.append(at[JobState.STARTING] - t0)
-            out.running.append(at[JobState.RUNNING] - t0)
+            for name, c in clients.items():
+                t0 = time.time()
+                job_id = h.submit_one(c, job)
+                out[name].ack.append(time.time() - t0)
+                done = c.call(WaitRequest(job_id=job_id, timeout_s=30), WaitResult)
+                if not done.finished:
+                    raise RuntimeError(f"job {job_id} did not finish within 30 s: {done.job.state}")
+                at = {t.state: t.at for t in done.job.history}
+                out[name].starting.append(at[JobState.STARTING] - t0)
+                out[name].running.append(at[JobState.RUNNING] - t0)
     return out
 
 
@@ -129,7 +135,7 @@ def block_all_gpus(d: h.DaemonProc) -> int:
         return h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))
 
 
-def report(floor: float, rates: dict[int, float], lat: Latency, cli: dict[str, list[float]]) -> None:
+def report(floor: float, rates: dict[int, float], lats: dict[str, Latency], cli: dict[str, list[float]]) -> None:
     print("submit throughput (durable acks over the socket; jobs stay pending behind a blocker)")
     table = h.Table(["what", "per second", "ms each", "x slower than the floor"])
     table.add("SQLite INSERT+COMMIT, WAL, synchronous=FULL (floor)", floor, 1000 / floor, 1.0)
@@ -137,11 +143,14 @@ def report(floor: float, rates: dict[int, float], lat: Latency, cli: dict[str, l
         table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, floor / rate)
     print(table.render())
     print()
-    print(f"submit->start latency on an idle node ({len(lat.ack)} sequential jobs, `true` on 1 GPU)")
-    table = h.Table(["interval", "p50 ms", "p99 ms", "max ms"])
-    for name, values in (("submit -> ack", lat.ack), ("submit -> STARTING", lat.starting),
-                         ("submit -> RUNNING", lat.running)):
-        table.add(name, 1000 * h.median(values), 1000 * h.percentile(values, 99), 1000 * max(values))
+    lat, base_lat = lats["forkserver"], lats["spawn"]
+    print(f"submit->start latency on an idle node ({len(lat.ack)} sequential jobs per launcher, alternating, "
+          "`true` on 1 GPU)")
+    table = h.Table(["interval", "launcher", "p50 ms", "p99 ms", "max ms"])
+    for launcher, sample in (("spawn", base_lat), ("forkserver", lat)):
+        for name, values in (("submit -> ack", sample.ack), ("submit -> STARTING", sample.starting),
+                             ("submit -> RUNNING", sample.running)):
+            table.add(name, launcher, 1000 * h.median(values), 1000 * h.percentile(values, 99), 1000 * max(values))
     print(table.render())
     print()
     print(f"whole-process time ({len(next(iter(cli.values())))} runs each, interleaved)")
@@ -154,8 +163,10 @@ def report(floor: float, rates: dict[int, float], lat: Latency, cli: dict[str, l
     print("ratios:")
     for clients, rate in rates.items():
         print(f"  submit throughput, {clients} clients: {rate:.0f}/s = floor / {floor / rate:.1f}")
-    print(f"  submit->RUNNING p50 {1000 * h.median(lat.running):.1f} ms, "
-          f"p99 {1000 * h.percentile(lat.running, 99):.1f} ms")
+    for name, pick in (("p50", h.median), ("p99", lambda v: h.percentile(v, 99))):
+        after, before = pick(lat.running), pick(base_lat.running)
+        print(f"  submit->RUNNING {name} {1000 * after:.1f} ms with the fork server, {1000 * before:.1f} ms spawning "
+              f"(baseline) = baseline / {before / after:.1f}")
     submit_p50 = h.median(cli["gpusched submit --gpus 1 -- true"])
     print(f"  gpusched submit process p50 {1000 * submit_p50:.0f} ms = python -c pass x{submit_p50 / base:.1f}")
 
@@ -167,19 +178,23 @@ def main() -> int:
     sizes = QUICK if args.quick else FULL
 
     print(h.machine_line())
-    d = h.DaemonProc(h.short_tmpdir("gba-"))
+    d = h.DaemonProc(h.short_tmpdir("gba-"))  # launcher = "forkserver", the default
+    spawn = h.DaemonProc(h.short_tmpdir("gbs-"), extra_config='launcher = "spawn"\n')  # the baseline launcher
     try:
         d.start()
+        spawn.start()
         os.makedirs(d.state_dir, exist_ok=True)
         floor = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
-        lat = latency(d, sizes.latency_samples)  # first, while the node is idle
+        lats = latency({"spawn": spawn, "forkserver": d}, sizes.latency_samples)  # first, while the node is idle
+        spawn.cleanup()  # done with it: it must not take CPU from the throughput phases
         block_all_gpus(d)  # cleanup() kills it with the daemon
         rates = throughput(d, sizes)
         cli = cli_times(d, sizes.cli_runs)
         print()
-        report(floor, rates, lat, cli)
+        report(floor, rates, lats, cli)
         return 0
     finally:
+        spawn.cleanup()
         d.cleanup()
 
 

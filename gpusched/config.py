@@ -201,6 +201,11 @@ class DaemonConfig(BaseModel):
         default=30.0, gt=0.0, le=3600.0, description="deadline of each cuda-checkpoint run; a checkpoint that passes "
         "it is rolled back and the job runs on"
     )
+    launcher: Literal["forkserver", "spawn"] = Field(
+        default="forkserver", description="how each job's supervisor (shim) starts: \"forkserver\" forks it from "
+        "a warm process the daemon starts once (about 1 ms; falls back to spawning when that process is gone), "
+        "\"spawn\" starts a fresh Python interpreter per job (tens of ms)"
+    )
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     client_idle_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="close a connection that sends no request for this long after "

@@ -7,6 +7,9 @@ asks it to signal or collect. It owns the job directory layout:
     STATE/jobs/ID/shim.json     shim and job pids with their kernel start times (for re-adoption)
     STATE/jobs/ID/status.json   exit status, written by the shim when the job ends
     STATE/logs/ID.log           combined stdout and stderr, owned by the job's user
+
+How a shim starts (forked by the fork server, or spawned) is shimstart.py's business; everything
+the shim leaves behind, and so everything here after the start, is the same either way.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gpusched.daemon import shim as shim_module
 from gpusched.daemon.procfs import lock_holder, session_leaders_under
 from gpusched.daemon.shim import LAUNCH, SHIM, STATUS, process_start_time, write_atomic
+from gpusched.daemon.shimstart import LostLaunch, Shim, ShimStarter
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +78,6 @@ NEVER_LAUNCHED = Trace(shim=Record.ABSENT, status=Record.ABSENT, exit=None, pid=
 
 
 @dataclass(frozen=True, slots=True)
-class _Shim:
-    pid: int
-    stdout_fd: int
-    exited: asyncio.Future[int]  # the shim's exit code
-    pidfd: int
-
-
-@dataclass(frozen=True, slots=True)
 class Started:
     pid: int
     error: str | None
@@ -92,14 +87,28 @@ class Started:
 class Executor:
     """Launches shims and reads what they record."""
 
-    def __init__(self, state_dir: str, python: str = sys.executable) -> None:
+    def __init__(self, state_dir: str, python: str = sys.executable, launcher: str = "spawn") -> None:
         self.jobs_dir = os.path.join(state_dir, "jobs")
         self.logs_dir = os.path.join(state_dir, "logs")
         os.makedirs(self.jobs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.logs_dir, mode=0o711, exist_ok=True)
         os.chmod(self.logs_dir, 0o711)  # owners open their own log by name; nobody lists the others
-        self.python = python
-        self._shims: dict[int, _Shim] = {}
+        self.shims = ShimStarter(self.jobs_dir, python, launcher)
+        self._shims: dict[int, Shim] = {}
+
+    @property
+    def python(self) -> str:
+        """The interpreter spawned shims run on (tests point it elsewhere to break spawning)."""
+        return self.shims.python
+
+    @python.setter
+    def python(self, value: str) -> None:
+        self.shims.python = value
+
+    def open(self) -> None:
+        """Start the fork server, if configured (call on the running loop, after cgroup setup: it and
+        the shims it forks stay in the cgroup the daemon is in now)."""
+        self.shims.open()
 
     def job_dir(self, job_id: int) -> str:
         return os.path.join(self.jobs_dir, str(job_id))
@@ -112,7 +121,7 @@ class Executor:
         cgroup: str | None = None, cpuset: tuple[int, ...] = (), *, deadline_s: float = 30.0,
         on_pid: Callable[[int], None] | None = None,
     ) -> Started:
-        """Spawn the shim for a job and return the job's pid (or why it could not start).
+        """Start the shim for a job and return the job's pid (or why it could not start).
 
         Everything between the shim's fork and the job's exec runs as the job's user, who can stop
         or slow it: the launch has a deadline, and `on_pid` hears the pid as soon as the shim forks,
@@ -130,21 +139,29 @@ class Executor:
             "uid": who.uid, "gid": who.gid, "groups": list(who.groups), "drop_privileges": who.drop,
             "cgroup": cgroup, "cpuset": list(cpuset),
         }
-        write_atomic(os.path.join(job_dir, LAUNCH), launch)
-        shim = self._spawn_shim(job_dir)
+        # Not fsynced: only shims of this boot read it (a machine crash ends them, and a restarted
+        # daemon rewrites or revokes it before any other shim could), and its two fsyncs were on
+        # every launch's critical path. shim.json and status.json stay durable.
+        write_atomic(os.path.join(job_dir, LAUNCH), launch, durable=False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s  # the fork server's part counts too
+        try:
+            shim = await self.shims.start(job_dir, deadline_s)
+        except LostLaunch:
+            self.kill_job(job_id)  # whatever holds the launch now: it never reported as started
+            raise
         self._shims[job_id] = shim
         pid = 0
-        loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=2**20)
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(shim.stdout_fd, "rb", 0))
         try:
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout_at(deadline):
                 first = await reader.readline()
                 if not first:  # left in _shims: wait() reaps it and reports the job FAILED
-                    await shim.exited
-                    return Started(pid=0, error=f"job supervisor exited with status {shim.exited.result()} "
-                                   "before starting it")
+                    code = await shim.exited
+                    status = "" if code is None else f" with status {code}"
+                    return Started(pid=0, error=f"job supervisor exited{status} before starting it")
                 pid = int(json.loads(first)["pid"])
                 if on_pid is not None:
                     on_pid(pid)
@@ -159,48 +176,16 @@ class Executor:
             return Started(pid=pid, error="job supervisor exited before the job started")
         return Started(pid=pid, error=json.loads(second).get("error"))
 
-    def _kill_launch(self, shim: _Shim, pid: int) -> None:
+    def _kill_launch(self, shim: Shim, pid: int) -> None:
         """A launch past its deadline: kill the job's child if the shim has forked it, else the shim."""
-        targets = [(os.killpg, pid), (os.kill, pid)] if pid else [(os.kill, shim.pid)]
-        for kill, target in targets:
+        if not pid:
+            if not shim.exited.done():  # else its pidfd is closed, and there is nothing to kill
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(shim.pidfd, signal.SIGKILL)
+            return
+        for kill in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(target, signal.SIGKILL)
-
-    def _spawn_shim(self, job_dir: str) -> _Shim:
-        """posix_spawn the shim in a new session, and watch its exit through a pidfd.
-
-        Not asyncio's subprocess machinery: its transports kill the child when they are closed or
-        collected, and a shim must outlive the daemon. A pidfd needs no SIGCHLD handler and works
-        on any loop (uvloop included) and in any thread.
-        """
-        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-        try:
-            pid = os.posix_spawn(
-                # -I: isolated, so no directory a user can write (the daemon's cwd, PYTHONPATH, user
-                # site) is on the root shim's sys.path; the shim is a stdlib-only script.
-                self.python, [self.python, "-I", shim_module.__file__, job_dir], _shim_env(),
-                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                              (os.POSIX_SPAWN_DUP2, write_fd, 1)],
-                setsid=True,
-            )
-        except OSError:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[int] = loop.create_future()
-        pidfd = os.pidfd_open(pid)
-
-        def on_exit() -> None:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            if not exited.done():
-                exited.set_result(os.waitstatus_to_exitcode(status))
-
-        loop.add_reader(pidfd, on_exit)
-        return _Shim(pid=pid, stdout_fd=read_fd, exited=exited, pidfd=pidfd)
+                kill(pid, signal.SIGKILL)
 
     def _create_log(self, job_id: int, who: Identity) -> str:
         """Create the log as the job's owner in a directory only root writes: no symlink tricks."""
@@ -231,6 +216,7 @@ class Executor:
                 os.close(shim.pidfd)
                 shim.exited.cancel()
         self._shims.clear()
+        self.shims.close()
 
     def collect(self, job_id: int) -> ExitStatus | None:
         """The recorded exit status, if the job has ended (and its record is readable)."""
@@ -387,7 +373,3 @@ def _opt_str(value: object) -> str | None:
         return value
     raise ValueError(f"not a string: {value!r}")
 
-
-def _shim_env() -> dict[str, str]:
-    """The shim imports only the standard library; nothing of the daemon's environment reaches the job."""
-    return {"PATH": "/usr/bin:/bin"}

@@ -119,7 +119,7 @@ class Daemon:
 # Settings bound to resources acquired at start (the socket, the database, the driver, cgroups, the
 # metrics listener): a reload reports them and a restart applies them.
 RESTART_KEYS = frozenset({"socket", "state_dir", "sim", "cgroup_root", "metrics_address", "metrics_allow_remote",
-                          "mps_control"})
+                          "mps_control", "launcher"})
 
 
 PRUNE_INTERVAL_S = 60.0
@@ -232,8 +232,9 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
         store = Store(config.db_path)
     except (StoreError, OSError) as exc:
         raise StartupError(f"cannot open the state database: {exc}") from None
-    executor = Executor(config.state_dir)
+    executor = Executor(config.state_dir, launcher=config.launcher)
     cgroups, cgroup_note = open_cgroups(config)
+    executor.open()  # the fork server, once the daemon sits in its own cgroup leaf (cgroups.py)
     if cgroups is None:
         log.warning("per-job cgroups off: %s; CPU affinity only, --mem not enforced", cgroup_note)
     engine = Engine(config, store, backend, executor, Scheduler(scheduler_config(config), incremental=True),

@@ -37,21 +37,39 @@ EXIT_REVOKED = 3  # the launch was revoked by a restarted daemon, or another shi
 CLAIM_TRIES = 100  # x 10 ms
 
 
-def write_atomic(path: str, data: dict[str, Any]) -> None:
-    """Write-then-rename with fsync, so a reader sees the old file or the whole new one."""
+def write_atomic(path: str, data: dict[str, Any], *, durable: bool = True) -> None:
+    """Write-then-rename, so a reader sees the old file or the whole new one; with `durable`, fsync
+    the file and its directory too, so the record also survives the machine crashing."""
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, json.dumps(data).encode())
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    if durable:
+        _fsync(os.path.dirname(path) or ".")
+
+
+def make_durable(path: str) -> None:
+    """fsync a file written with `durable=False`, and its directory (which holds its new name).
+
+    Best effort: by now the job runs, and the shim must live to record its end, whatever became of
+    the file meanwhile (removed, or a failing disk: status.json will say so when it cannot be written).
+    """
+    with contextlib.suppress(OSError):
+        _fsync(path)
+        _fsync(os.path.dirname(path) or ".")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -183,16 +201,23 @@ def run(job_dir: str) -> int:
     os.close(err_w)
     # Record and report the pid before the child execs: a child stopped (or slowed) between its
     # setuid and its exec is the job's user's to control, and the daemon must be able to kill it.
-    write_atomic(os.path.join(job_dir, SHIM), {
+    # The record is visible to a restarted daemon at once; it is made durable (for a machine crash)
+    # only after both reports, as its two fsyncs were half of an idle node's launch. A machine crash
+    # ends the job either way, and its verdict does not depend on this: a RUNNING job without a
+    # record ends LOST as one with a record does, and a STARTING one was requeued or LOST depending
+    # on the crash's moment before too.
+    record = os.path.join(job_dir, SHIM)
+    write_atomic(record, {
         "shim_pid": os.getpid(), "shim_start": process_start_time(os.getpid()),
         "pid": pid, "pid_start": process_start_time(pid), "started_at": time.time(),
-    })
+    }, durable=False)
     _report({"pid": pid})
     error = b""
     while chunk := os.read(err_r, 4096):  # EOF at exec (CLOEXEC) or when the child dies
         error += chunk
     os.close(err_r)
     _report({"exec": not error, "error": error.decode(errors="replace") or None})
+    make_durable(record)
     null_fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null_fd, 1)
     # Wait without reaping, so the leader's pid (= its group and session id) stays reserved while

@@ -171,9 +171,12 @@ def test_a_slow_exec_does_not_hold_up_other_jobs(daemon: DaemonHandle) -> None:
         assert started[other] < started[slow], f"the other job waited for the slow launch: {started}"
 
 
-def test_a_shim_that_dies_before_forking_fails_its_job_once(daemon: DaemonHandle) -> None:
-    """Not requeued (the launch would fail again and again): the job ends FAILED with the reason."""
-    executor = daemon.call_in_loop(lambda: daemon.daemon.engine.executor)  # type: ignore[union-attr]
+def test_a_shim_that_dies_before_forking_fails_its_job_once(daemon_factory: Any) -> None:
+    """Not requeued (the launch would fail again and again): the job ends FAILED with the reason.
+    (Spawned shims: a forked shim cannot be given another interpreter; tests/daemon/test_forkserver.py
+    covers the fork server's failures.)"""
+    daemon = daemon_factory(launcher="spawn")
+    executor = daemon.call_in_loop(lambda: daemon.daemon.engine.executor)
     executor.python = "/bin/false"  # the shim's interpreter exits 1 at once
     try:
         with daemon.client() as c:

@@ -1,0 +1,229 @@
+"""The fork server: `python -I .../gpusched/daemon/forkserver.py JOBS_DIR`, one per daemon.
+
+Starting a Python interpreter for every job's shim costs tens of milliseconds; forking one that has
+already imported the shim costs well under one. The daemon starts this program once (daemon/
+forkclient.py) and asks it, over a SOCK_SEQPACKET socketpair on its stdin, for one shim per job:
+
+    request  {"id": N, "job_dir": "JOBS_DIR/ID"}   + SCM_RIGHTS: the write end of the shim's report pipe
+    reply    {"id": N, "pid": PID}                 + SCM_RIGHTS: a pidfd of the shim
+             {"id": N, "error": "why"}
+
+The socketpair is inherited, never a path: nobody but the daemon can ask for anything. Even so a
+request names only a directory directly under JOBS_DIR; what runs there is what the daemon wrote
+in its launch.json, exactly as for a spawned shim.
+
+The fork server never runs user code: the forked child is the shim (shim.run, the same code a
+spawned shim runs, loaded from the file next to this one), which forks the job. Each shim is
+forked once, straight from here, and calls setsid, so it is a session leader like a spawned one.
+The fork server is its parent and reaps it: it watches each shim through a pidfd and waits for
+that very pid, so it needs no SIGCHLD handler (and leaves SIGCHLD at its default: SIG_IGN would
+be inherited by the shim and make its own wait for the job fail). Why not double-fork: the shim
+would be reparented to PID 1 at once, and a PID 1 that does not reap (a container's) would keep
+one zombie per job; and why not a subreaper: the job's own orphans would then be reparented here,
+and nothing of the job should ever be a child of this process.
+
+When the daemon goes away (its end of the socketpair closes) the fork server forks no more, keeps
+reaping the shims it has, and exits once none is left. If it dies first, its shims are reparented
+to PID 1 (or the nearest subreaper) as shims of a dead daemon always were; they need no parent,
+and a restarted daemon re-adopts them from their files like any other (daemon/recovery.py).
+
+Only the standard library, and run under -I, like the shim: nothing from the environment or any
+working directory is on sys.path (a planted `json.py` must not run as root).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import importlib.util
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+from types import ModuleType
+from typing import Any
+
+MAX_REQUEST = 65536
+CHANNEL_FD = 0  # the socketpair end the daemon hands us as stdin
+
+
+def load_shim() -> ModuleType:
+    """shim.py from this file's own directory, by path: -I keeps every directory off sys.path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.py")
+    spec = importlib.util.spec_from_file_location("gpusched_shim", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the shim from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def job_dir_error(jobs_dir: str, job_dir: object) -> str | None:
+    """Why a requested directory is refused (None: it is a job directory under jobs_dir)."""
+    if not isinstance(job_dir, str) or not job_dir:
+        return "job_dir: not a path"
+    if os.path.dirname(job_dir) != jobs_dir or not os.path.basename(job_dir).isdigit():
+        return f"job_dir: {job_dir!r} is not a job directory under {jobs_dir}"
+    return None
+
+
+def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
+    """In the forked child: drop everything of the fork server, then be the shim. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)  # replaces the channel: a shim cannot talk to the daemon's fork server
+        os.dup2(report_fd, 1)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # other shims' pidfds, the report fd's copy
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+            comm.write("gpusched-shim")  # `ps -o comm` tells shims from their fork server
+        code = shim.run(job_dir)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+            sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _send(channel: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    channel.sendmsg([json.dumps(message).encode()], ancillary)
+
+
+def receive(channel: socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the descriptors passed with it (both sides use this)."""
+    data, ancdata, _flags, _addr = channel.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(4 * 4))
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            received = array.array("i")
+            received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+            fds.extend(received)
+    return data, fds
+
+
+class Server:
+    """The request loop and the shims it has forked (and must reap)."""
+
+    def __init__(self, channel: socket.socket, jobs_dir: str, shim: ModuleType) -> None:
+        self.channel = channel
+        self.jobs_dir = jobs_dir
+        self.shim = shim
+        # poll, not epoll: an epoll instance would be shared with every forked child until it closes it.
+        self.selector = selectors.PollSelector()
+        self.selector.register(channel, selectors.EVENT_READ, None)
+        self.shims: dict[int, tuple[int, str]] = {}  # pidfd -> (pid, job dir)
+        self.unwatched: set[int] = set()  # shims we could not open a pidfd for: reaped when we can
+        self.serving = True
+
+    def run(self) -> int:
+        while self.serving or self.shims or self.unwatched:
+            # Unwatched shims (no pidfd: out of descriptors) are checked on every event, and at
+            # least once a second while there are any.
+            for key, _ in self.selector.select(1.0 if self.unwatched else None):
+                if key.data is None:
+                    self._serve_one()
+                else:
+                    self._reap(key.fd)
+            for pid in list(self.unwatched):
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        continue
+                self.unwatched.discard(pid)
+        return 0
+
+    def _serve_one(self) -> None:
+        try:
+            data, fds = receive(self.channel)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the daemon is gone: fork no more, but keep reaping our shims
+            self._stop_serving()
+            return
+        try:
+            reply = self._handle(data, fds)
+        except Exception as exc:  # a bug here must cost one launch (the daemon spawns it), not the server
+            reply = ({"id": None, "error": f"fork server: {exc!r}"}, [])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        message, pass_fds = reply
+        try:
+            _send(self.channel, message, pass_fds)
+        except OSError:
+            self._stop_serving()
+
+    def _handle(self, data: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        try:
+            request = json.loads(data)
+            request_id = request["id"]
+            job_dir = request["job_dir"]
+        except (ValueError, TypeError, KeyError):
+            return {"id": None, "error": "request: not the JSON object the daemon sends"}, []
+        error = job_dir_error(self.jobs_dir, job_dir)
+        if error is None and len(fds) != 1:
+            error = f"request: expected the report pipe's descriptor, got {len(fds)} descriptors"
+        if error is not None:
+            return {"id": request_id, "error": error}, []
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            return {"id": request_id, "error": f"fork: {exc.strerror or exc}"}, []
+        if pid == 0:
+            _become_shim(self.shim, job_dir, fds[0])
+        # Only this loop reaps, and only a pid whose pidfd said it exited: the pid cannot be reused
+        # before we open the pidfd.
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # EMFILE: the daemon finds the shim from its record (shimstart.py)
+            self.unwatched.add(pid)
+            return {"id": request_id, "pid": pid}, []
+        self.shims[pidfd] = (pid, job_dir)
+        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        return {"id": request_id, "pid": pid}, [pidfd]
+
+    def _reap(self, pidfd: int) -> None:
+        self.selector.unregister(pidfd)
+        pid, job_dir = self.shims.pop(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        if code not in (0, self.shim.EXIT_REVOKED):  # the job's own status is in status.json
+            print(f"gpusched fork server: shim {pid} for {job_dir} exited with status {code}",
+                  file=sys.stderr, flush=True)
+
+    def _stop_serving(self) -> None:
+        if self.serving:
+            self.serving = False
+            self.selector.unregister(self.channel)
+            self.channel.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or not os.path.isabs(argv[1]):
+        print("usage: forkserver.py JOBS_DIR (absolute)", file=sys.stderr)
+        return 2
+    # Nothing of the daemon but the channel: not its database, its sockets or its cwd.
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    os.chdir("/")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # never SIG_IGN: that would reap shims behind our back
+    channel = socket.socket(fileno=CHANNEL_FD)
+    if channel.type != socket.SOCK_SEQPACKET:
+        print("forkserver.py: stdin must be the daemon's SOCK_SEQPACKET socketpair", file=sys.stderr)
+        return 2
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write("gpusched-forks")
+    return Server(channel, os.path.normpath(argv[1]), load_shim()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
