@@ -73,6 +73,7 @@ from gpusched.protocol import (
 from gpusched_cli import render
 from gpusched_cli.client import Client, DaemonUnavailable, resolve_socket
 from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_export, parse_size_mib
+from gpusched_cli.slurm_cmds import slurm
 
 # ---- exit codes ----------------------------------------------------------------------------------
 
@@ -790,6 +791,9 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
             ctx.exit(EXIT_ERROR)
         if not as_json:
             _echo(f"plot written to {plot_path}")
+
+
+cli.add_command(slurm)
 
 
 def main() -> None:
