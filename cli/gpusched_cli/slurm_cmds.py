@@ -67,14 +67,18 @@ def slurm() -> None:
 @click.option("--job-mapping-dir", default=None, help="the hooks write dcgm-exporter job-mapping files here")
 @click.option("--mps-control", default=None,
               help="nvidia-cuda-mps-control for gres/mps jobs  [default: from PATH; with --sim, the simulated one]")
+@click.option("--gres-mps", is_flag=True,
+              help="also offer GPUs configured share = \"mps\" as gres/mps (Slurm 22.05: not on nodes or clusters "
+              "with MIG GPUs, see docs/slurm.md)")
 @click.pass_context
 def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root: str | None, node_params: str,
                  gres_conf: str | None, slurm_conf: str | None, run_dir: str, job_mapping_dir: str | None,
-                 mps_control: str | None) -> None:
+                 mps_control: str | None, gres_mps: bool) -> None:
     """The node's gres.conf, its `NodeName=... Gres=...` line and the GRES index -> UUID map.
 
     Typed GRES: a MIG instance is `gpu:<profile>` (MultipleFiles= with its nvidia-caps files), a
-    whole GPU is `gpu:<model>` (File=), and a GPU shared through MPS also offers `mps` (Count=100).
+    whole GPU is `gpu:<model>` (File=); with --gres-mps a GPU shared through MPS also offers `mps`
+    (Count=100). Every job on a GPU configured share = "mps" gets a per-user MPS control daemon.
     Records are grouped by type in the order Slurm numbers them. With --sim the device files are
     created with mknod under OUT/dev (root only): Slurm refuses plain files.
     """
@@ -85,7 +89,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     node = node or _default_node()
     sim = result.backend == "sim"
     if out is None:
-        devs = gresconf.devices(result, dev_root or "/dev")
+        devs = gresconf.devices(result, dev_root or "/dev", gres_mps)
         click.echo(f"# gres.conf\n{gresconf.gres_conf(node, devs)}\n# slurm.conf\n"
                    f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}",
                    nl=False)
@@ -97,11 +101,14 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
         node=node, out=out, socket=ctx.find_root().obj.get("socket_path"),
         dev_root=os.path.abspath(dev_root) if dev_root else (os.path.join(out, "dev") if sim else "/dev"),
         mknod=sim, node_params=node_params, gres_conf=_abs(gres_conf), slurm_conf=_abs(slurm_conf),
-        run_dir=os.path.abspath(run_dir), job_mapping_dir=_abs(job_mapping_dir), mps_control=mps_control)
+        run_dir=os.path.abspath(run_dir), job_mapping_dir=_abs(job_mapping_dir), mps_control=mps_control,
+        gres_mps=gres_mps)
     try:
         devs = export.write_export(result, opts)
     except (OSError, ValueError) as exc:
         _die(str(exc))
+    for why in gresconf.mps_skipped(result, devs) if gres_mps else []:
+        click.echo(f"warning: not offered as gres/mps: {why}", err=True)
     click.echo(f"{node}: {len(devs)} GPU device(s) -> {out} (gres.conf, slurm-node.conf, gres-map.json, hooks/)")
     click.echo(gresconf.node_line(node, devs, node_params), nl=False)
 

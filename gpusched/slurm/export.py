@@ -35,6 +35,7 @@ class ExportOptions:
     run_dir: str = "/run/gpusched-slurm"
     job_mapping_dir: str | None = None
     mps_control: str = "nvidia-cuda-mps-control"
+    gres_mps: bool = False  # offer share = "mps" GPUs as gres/mps too (see gresconf.mps_skipped)
 
 
 def load_options(out: str) -> ExportOptions:
@@ -48,8 +49,13 @@ def load_options(out: str) -> ExportOptions:
 
 
 def hook_script(kind: str, opts: ExportOptions) -> str:
-    """A shell script Slurm can run (Prolog= takes a program, not a command line). `python -I`: a
-    TaskProlog runs in the user's working directory, and nothing there may be imported."""
+    """A shell script Slurm can run (Prolog= takes a program, not a command line). The TaskProlog
+    runs as the job's user for every task: it only prints what the Prolog prepared (hooks.py)."""
+    if kind == "task-prolog":
+        env_dir = shlex.quote(str(Path(opts.run_dir) / "jobs"))
+        return (f"#!/bin/sh\n# Slurm TaskProlog for node {opts.node}, written by `gpusched slurm export`.\n"
+                f"case \"$SLURM_JOB_ID\" in ''|*[!0-9]*) exit 0;; esac\n"
+                f"cat {env_dir}/\"$SLURM_JOB_ID\".env 2>/dev/null\nexit 0\n")
     argv = [sys.executable, "-I", "-m", "gpusched_cli.main", "slurm", "hook", kind,
             "--map", str(Path(opts.out) / "gres-map.json"), "--run-dir", opts.run_dir,
             "--mps-control", opts.mps_control]
@@ -61,7 +67,7 @@ def hook_script(kind: str, opts: ExportOptions) -> str:
 
 def write_export(result: GpusResult, opts: ExportOptions) -> list[gresconf.GresDevice]:
     """Write everything for `opts.node`; returns its devices. Raises ValueError/OSError with the path."""
-    devs = gresconf.devices(result, opts.dev_root)
+    devs = gresconf.devices(result, opts.dev_root, opts.gres_mps)
     if opts.mknod:
         devfiles.make_device_files(devs, opts.dev_root)
     out = Path(opts.out)

@@ -9,8 +9,9 @@ problem (an index missing from the map, MPS refusing to start) is written into t
 and the TaskProlog, which runs inside the job, prints it to the job's output and hides every GPU
 rather than let the job run on the wrong one. The Epilog always succeeds for the same reason.
 
-The Prolog runs as root; it leaves one record per job in RUN_DIR/jobs/ID.json (root's, readable by
-all: it holds UUIDs only), which the TaskProlog, running as the job's user, reads.
+The Prolog runs as root; it leaves RUN_DIR/jobs/ID.json (its record, for the Epilog) and ID.env
+(the TaskProlog's output, made in advance), root's and readable by all: they hold UUIDs only. The
+TaskProlog, running as the job's user, only prints ID.env.
 """
 
 from __future__ import annotations
@@ -64,14 +65,15 @@ def parse_indices(text: str) -> list[int]:
     return out
 
 
-def wants_mps(env: Mapping[str, str]) -> bool:
-    """A gres/mps or gres/shard job. Slurm tells the Prolog the job's GRES in SLURM_JOB_GRES? Not in
-    22.05; but it sets SLURM_JOB_GPUS for mps/shard jobs too, and the job's TRES request in
-    SLURM_JOB_CONSTRAINTS is unrelated, so we read the GRES request from the environment variable
-    the submit side exported, with the per-node count Slurm gives the Prolog as a fallback."""
-    for key in ("SLURM_JOB_GRES", "SLURM_GRES", "SLURM_TRES_PER_NODE", "SLURM_JOB_TRES_PER_NODE"):
-        value = env.get(key, "")
-        if re.search(r"(^|[,:/])(mps|shard)([:=,]|$)", value):
+def wants_mps(env: Mapping[str, str], chosen: list[GresDevice]) -> bool:
+    """Start a per-user MPS control daemon for this job: it runs on a GPU gpusched shares through MPS
+    (share = "mps"), or its GRES request names mps or shard. The second test reads the request from
+    the variables Slurm may export to the Prolog; it was not seen to fire on Slurm 22.05 (see
+    docs/slurm.md), so the share = "mps" GPU is the path that is tested."""
+    if any(d.mps for d in chosen):
+        return True
+    for key in ("SLURM_JOB_GRES", "SLURM_TRES_PER_NODE", "SLURM_JOB_TRES_PER_NODE"):
+        if re.search(r"(^|[,:/])(mps|shard)([:=,]|$)", env.get(key, "")):
             return True
     return False
 
@@ -142,7 +144,7 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
                 chosen = [devs[i] for i in indices]
                 rec.uuids = [d.uuid for d in chosen]
                 rec.mapping_names = [_mapping_name(d) for d in chosen]
-                if wants_mps(env):
+                if wants_mps(env, chosen):
                     mps = _mps_daemon(cfg, chosen[0].uuid, rec.uid)
                     mps.start()
                     rec.mps_device, rec.mps_pipe, rec.mps_log = chosen[0].uuid, str(mps.pipe_dir), str(mps.log_dir)
@@ -154,12 +156,14 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
 
 
 def _write_record(cfg: HookConfig, rec: JobRecord) -> None:
+    """RUN_DIR/jobs/ID.json (for the Epilog) and ID.env, the TaskProlog's output made in advance."""
     directory = _records_dir(cfg)
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = directory / f".{rec.job_id}.tmp"
-    tmp.write_text(json.dumps(rec.__dict__), encoding="utf-8")
-    tmp.chmod(0o644)
-    tmp.replace(directory / f"{rec.job_id}.json")
+    for suffix, text in (("env", task_prolog_lines(rec)), ("json", json.dumps(rec.__dict__))):
+        tmp = directory / f".{rec.job_id}.{suffix}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o644)
+        tmp.replace(directory / f"{rec.job_id}.{suffix}")
 
 
 def read_record(cfg: HookConfig, job_id: str) -> JobRecord | None:
@@ -172,20 +176,25 @@ def read_record(cfg: HookConfig, job_id: str) -> JobRecord | None:
     return JobRecord(**data)
 
 
-def task_prolog(cfg: HookConfig, env: Mapping[str, str], out: TextIO) -> None:
-    """Print `export NAME=VALUE` / `print MSG` lines, which Slurm applies to the task's environment."""
-    rec = read_record(cfg, env.get("SLURM_JOB_ID", ""))
-    if rec is None:
-        return  # a job without GPUs, or a node without the Prolog: leave Slurm's environment alone
+def task_prolog_lines(rec: JobRecord) -> str:
+    """`export NAME=VALUE` / `print MSG` lines, which Slurm applies to the task's environment.
+
+    The Prolog writes them once per job; the TaskProlog (`export` writes it as a two-line shell
+    script) only prints the file, so no interpreter starts per task and the job's user needs no
+    access to gpusched's installation."""
     if rec.error is not None:
-        out.write(f"print {rec.error}; no GPU is visible to this job\n")
-        out.write("export CUDA_VISIBLE_DEVICES=\n")
-        return
-    if rec.uuids:
-        out.write(f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n")
+        return f"print {rec.error}; no GPU is visible to this job\nexport CUDA_VISIBLE_DEVICES=\n"
+    out = f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n" if rec.uuids else ""
     if rec.mps_pipe is not None and rec.mps_log is not None:
-        out.write(f"export CUDA_MPS_PIPE_DIRECTORY={rec.mps_pipe}\n")
-        out.write(f"export CUDA_MPS_LOG_DIRECTORY={rec.mps_log}\n")
+        out += f"export CUDA_MPS_PIPE_DIRECTORY={rec.mps_pipe}\nexport CUDA_MPS_LOG_DIRECTORY={rec.mps_log}\n"
+    return out
+
+
+def task_prolog(cfg: HookConfig, env: Mapping[str, str], out: TextIO) -> None:
+    """What the TaskProlog prints for this job (nothing for a job the Prolog recorded no GPU for)."""
+    rec = read_record(cfg, env.get("SLURM_JOB_ID", ""))
+    if rec is not None:
+        out.write(task_prolog_lines(rec))
 
 
 def epilog(cfg: HookConfig, env: Mapping[str, str]) -> list[str]:
@@ -201,8 +210,9 @@ def epilog(cfg: HookConfig, env: Mapping[str, str]) -> list[str]:
             _update_mapping(cfg, rec.mapping_names, int(job_id), add=False)
         except OSError as exc:
             problems.append(f"job mapping: {exc}")
-        with contextlib.suppress(FileNotFoundError):
-            (_records_dir(cfg) / f"{job_id}.json").unlink()
+        for suffix in ("env", "json"):
+            with contextlib.suppress(FileNotFoundError):
+                (_records_dir(cfg) / f"{job_id}.{suffix}").unlink()
         if rec.mps_device is not None and not _mps_still_used(cfg, rec):
             try:
                 _mps_daemon(cfg, rec.mps_device, rec.uid).stop()

@@ -1,4 +1,4 @@
-"""A real Slurm cluster on one machine for tests: munged, slurmctld -D and two slurmd -D (n1, n2),
+"""A real Slurm cluster on one machine for tests: munged, slurmctld -D and three slurmd -D (n1-n3),
 each node backed by its own `gpuschedd --mode slurm-node --sim ...` and configured by
 `gpusched slurm export`.
 
@@ -26,9 +26,11 @@ INSTALL_HINT = "apt-get install -y --no-install-recommends slurm-wlm munge"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "squeue")
 USER = "gpusched-slurm"  # the ordinary user jobs are submitted as (created if missing, removed after)
 NODES = {
-    "n1": {"sim": "A100-80GB:2", "toml": '[gpus.0]\nshare = "mps"\n'
-                                        '[gpus.1]\nmig = ["3g.40gb", "2g.20gb", "2g.20gb"]\n'},
+    "n1": {"sim": "A100-80GB:2", "toml": '[gpus.1]\nmig = ["3g.40gb", "2g.20gb", "2g.20gb"]\n'},
     "n2": {"sim": "H100-80GB:1", "toml": '[gpus.0]\nmig = ["1g.10gb", "4g.40gb"]\n'},
+    # MPS on a whole GPU of its own node (gres/mps itself stays off: with it in GresTypes, Slurm 22.05
+    # gives typed MIG requests zero devices; docs/slurm.md).
+    "n3": {"sim": "H100-80GB:1", "toml": '[gpus.0]\nshare = "mps"\n'},
 }
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -201,25 +203,26 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-GresTypes=gpu,mps
+GresTypes=gpu
 ReturnToService=2
 MpiDefault=none
 MailProg=/bin/true
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-SchedulerParameters=sched_interval=1,bf_interval=1
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 Prolog={base}/etc/prolog
 TaskProlog={base}/etc/task-prolog
 Epilog={base}/etc/epilog
 Include {base}/etc/nodes.conf
-PartitionName=gpu Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP
 """
 
 
 def start_cluster(base: str, daemon_process: type) -> Cluster:
     """Build and start the whole cluster under BASE (a short temporary directory, 0755)."""
     cluster = Cluster(base)
-    for sub in ("etc", "log", "pids", "run", "state", "spool", "jobs", "munge"):
+    for sub in ("etc", "log", "pids", "run", "state", "jobs", "munge", *(f"spool/{n}" for n in NODES)):
         os.makedirs(f"{base}/{sub}", mode=0o755, exist_ok=True)
     os.chmod(f"{base}/jobs", 0o1777)  # job output, written by the job's user
     cluster.created_user = ensure_user()
@@ -254,7 +257,7 @@ def start_cluster(base: str, daemon_process: type) -> Cluster:
     spawn(base, "slurmctld", daemon_argv("slurmctld") + ["-i"])
     for node in NODES:
         spawn(base, f"slurmd-{node}", daemon_argv(f"slurmd-{node}"))
-    wait_for(lambda: cluster.node_states() == {"n1": "idle", "n2": "idle"}, 60, "both nodes idle in sinfo", cluster)
+    wait_for(lambda: cluster.node_states() == dict.fromkeys(NODES, "idle"), 60, "every node idle in sinfo", cluster)
     return cluster
 
 

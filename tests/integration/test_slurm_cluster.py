@@ -1,6 +1,6 @@
 """gpusched under a real Slurm cluster on this machine (issue 14): munged, slurmctld and two slurmd,
-each node backed by its own `gpuschedd --mode slurm-node --sim` (n1: two A100-80GB, GPU 0 whole and
-shared through MPS, GPU 1 in MIG mode; n2: one H100-80GB in MIG mode). The cluster starts once
+each node backed by its own `gpuschedd --mode slurm-node --sim` (n1: two A100-80GB, GPU 0 whole,
+GPU 1 in MIG mode; n2: one H100-80GB in MIG mode; n3: one H100-80GB shared through MPS). The cluster starts once
 for the module; the tests run in file order and leave it as they found it.
 """
 
@@ -72,7 +72,6 @@ def assert_no_prolog_trouble(cluster: Cluster) -> None:
 def expected_gres(gpus: dict[str, object]) -> set[str]:
     """What the daemon's inventory says Slurm should offer, counted here from `gpus --json`."""
     counts: dict[str, int] = {}
-    mps: dict[str, int] = {}
     for gpu in gpus["gpus"]:  # type: ignore[attr-defined]
         if gpu["mig_enabled"]:
             for inst in gpu["instances"]:
@@ -80,9 +79,7 @@ def expected_gres(gpus: dict[str, object]) -> set[str]:
         else:
             key = gpu["model"].lower()
             counts[key] = counts.get(key, 0) + 1
-            if gpu["share"] == "mps":
-                mps[key] = mps.get(key, 0) + 100
-    return {f"gpu:{t}:{n}" for t, n in counts.items()} | {f"mps:{t}:{n}" for t, n in mps.items()}
+    return {f"gpu:{t}:{n}" for t, n in counts.items()}
 
 
 def sinfo_gres(cluster: Cluster) -> dict[str, set[str]]:
@@ -94,7 +91,50 @@ def sinfo_gres(cluster: Cluster) -> dict[str, set[str]]:
 
 def test_sinfo_gres_match_gpusched_layout(cluster: Cluster) -> None:
     seen = sinfo_gres(cluster)
-    for node in ("n1", "n2"):
+    for node in ("n1", "n2", "n3"):
         assert seen[node] == expected_gres(inventory(cluster, node)), (node, seen)
-    assert seen["n1"] == {"gpu:3g.40gb:1", "gpu:2g.20gb:2", "gpu:a100-80gb:1", "mps:a100-80gb:100"}
+    assert seen["n1"] == {"gpu:3g.40gb:1", "gpu:2g.20gb:2", "gpu:a100-80gb:1"}
+    assert seen["n3"] == {"gpu:h100-80gb:1"}
+    assert_no_prolog_trouble(cluster)
+
+
+def instance_uuid(cluster: Cluster, node: str, profile: str) -> set[str]:
+    gpus = inventory(cluster, node)["gpus"]
+    return {i["uuid"] for g in gpus for i in g["instances"] if i["profile"] == profile}  # type: ignore[attr-defined]
+
+
+def test_mig_job_as_ordinary_user_lands_on_the_right_node_and_sees_its_mig_uuid(cluster: Cluster) -> None:
+    job = sbatch(cluster, "--gres=gpu:3g.40gb:1",
+                 script='echo "node=$SLURMD_NODENAME user=$(id -un) cvd=$CUDA_VISIBLE_DEVICES"')
+    out = finished(cluster, job)
+    assert job_field(cluster, job, "JobState") == "COMPLETED", out
+    fields = dict(p.split("=", 1) for p in out.split())
+    assert fields["node"] == "n1" and fields["user"] == USER  # only n1 has a 3g.40gb
+    assert fields["cvd"].startswith("MIG-") and {fields["cvd"]} == instance_uuid(cluster, "n1", "3g.40gb")
+    assert_no_prolog_trouble(cluster)
+
+
+def test_srun_spans_both_nodes_each_task_seeing_its_own_nodes_gpu(cluster: Cluster) -> None:
+    out = cluster.run("srun", "-N2", "-w", "n1,n2", "--ntasks-per-node=1", "--gres=gpu:1", "-l", "sh", "-c",
+                      'echo "$SLURMD_NODENAME $CUDA_VISIBLE_DEVICES"', user=USER, timeout=60)
+    seen = dict(line.split(": ", 1)[1].split() for line in out.splitlines() if ": " in line)
+    assert set(seen) == {"n1", "n2"}, out
+    for node, uuid in seen.items():
+        gpus = inventory(cluster, node)["gpus"]
+        known = {g["uuid"] for g in gpus} | {i["uuid"] for g in gpus for i in g["instances"]}  # type: ignore[attr-defined]
+        assert uuid in known, (node, uuid, known)
+    assert_no_prolog_trouble(cluster)
+
+
+def test_mps_job_starts_and_stops_its_control_daemon(cluster: Cluster) -> None:
+    job = sbatch(cluster, "--gres=gpu:h100-80gb:1", script=(
+        'pid=$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"); '
+        'test -d /proc/$pid && echo "alive=$pid cvd=$CUDA_VISIBLE_DEVICES node=$SLURMD_NODENAME"'))
+    out = finished(cluster, job)
+    assert job_field(cluster, job, "JobState") == "COMPLETED", out
+    fields = dict(p.split("=", 1) for p in out.split())
+    whole = [g for g in inventory(cluster, "n3")["gpus"] if g["share"] == "mps"]  # type: ignore[attr-defined]
+    assert fields["cvd"] == whole[0]["uuid"] and fields["node"] == "n3"
+    pid = int(fields["alive"])
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 15, f"MPS control daemon {pid} to stop after the job", cluster)
     assert_no_prolog_trouble(cluster)
