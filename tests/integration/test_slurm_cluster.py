@@ -138,3 +138,55 @@ def test_mps_job_starts_and_stops_its_control_daemon(cluster: Cluster) -> None:
     pid = int(fields["alive"])
     wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 15, f"MPS control daemon {pid} to stop after the job", cluster)
     assert_no_prolog_trouble(cluster)
+
+
+def test_relayout_makes_a_pending_mig_job_runnable_while_the_other_node_keeps_running(cluster: Cluster) -> None:
+    long_job = sbatch(cluster, "--gres=gpu:1g.10gb:1", script="sleep 300")  # n2's only 1g.10gb
+    wait_for(lambda: job_field(cluster, long_job, "JobState") == "RUNNING", 30, "the n2 job to run", cluster)
+    assert job_field(cluster, long_job, "NodeList") == "n2"
+    pending = sbatch(cluster, "--gres=gpu:1g.10gb:1", script='echo "node=$SLURMD_NODENAME cvd=$CUDA_VISIBLE_DEVICES"')
+    wait_for(lambda: job_field(cluster, pending, "Reason") == "Resources", 30, "the MIG job to pend", cluster)
+    done = cluster.gpusched(
+        "n1", "slurm", "relayout", "n1", "1=3g.40gb,2g.20gb,1g.10gb,1g.10gb", "--out", f"{cluster.base}/n1",
+        "--restart-slurmd", cluster.restart_command("slurmd-n1"), "--reconfigure", cluster.restart_command("slurmctld"),
+        "--timeout", "60", timeout=120)
+    assert "resumed n1" in done.stdout, done.stdout
+    out = finished(cluster, pending, timeout=60)
+    fields = dict(p.split("=", 1) for p in out.split())
+    assert fields["node"] == "n1" and fields["cvd"] in instance_uuid(cluster, "n1", "1g.10gb"), out
+    assert job_field(cluster, long_job, "JobState") == "RUNNING"  # the other node's job never noticed
+    assert sinfo_gres(cluster)["n1"] == expected_gres(inventory(cluster, "n1"))
+    cluster.run("scancel", long_job)
+    wait_for(lambda: job_field(cluster, long_job, "JobState") == "CANCELLED", 30, "the n2 job to end", cluster)
+    assert_no_prolog_trouble(cluster)
+
+
+def node_reason(cluster: Cluster, node: str) -> tuple[str, str]:
+    text = cluster.run("scontrol", "show", "node", node, "--oneliner")
+    state = re.search(r"\bState=(\S+)", text)
+    reason = re.search(r"\bReason=(.*?)(?: \[[^]]*\])?\s*$", text)
+    return (state.group(1) if state else "", reason.group(1) if reason else "")
+
+
+def test_an_injected_xid_drains_the_node_with_the_reason_and_gpus_resume_resumes_it(cluster: Cluster) -> None:
+    cluster.gpusched("n2", "sim", "inject-xid", "0", "79")
+    state, reason = wait_for(lambda: (s := node_reason(cluster, "n2"))[0].endswith("DRAIN") and s, 30,
+                             "n2 to drain in Slurm", cluster)
+    assert reason == "gpusched: XID 79 on GPU 0", (state, reason)
+    assert node_reason(cluster, "n1")[0] == "IDLE"
+    cluster.gpusched("n2", "gpus", "resume", "0")
+    wait_for(lambda: node_reason(cluster, "n2") == ("IDLE", ""), 30, "n2 to be resumed in Slurm", cluster)
+
+
+def test_submit_is_refused_on_a_slurm_node_with_a_clear_message(cluster: Cluster) -> None:
+    done = cluster.gpusched("n1", "submit", "--gpus", "1", "--", "true", check=False)
+    assert done.returncode == 1, done
+    assert "slurm-node mode" in done.stderr and "sbatch" in done.stderr, done.stderr
+    cluster.gpusched("n1", "gpus")  # the daemon keeps serving
+
+
+def test_no_node_ever_showed_a_prolog_error(cluster: Cluster) -> None:
+    assert_no_prolog_trouble(cluster)
+    for log in Path(cluster.base, "log").glob("*.log"):
+        text = log.read_text(errors="replace").lower()
+        assert "prolog failed" not in text and "epilog failed" not in text and "taskprolog failed" not in text, log
