@@ -123,7 +123,8 @@ class Cluster:
                                  f"{self.logs()}")
         return done.stdout
 
-    def gpusched(self, node: str, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def gpusched(self, node: str, *args: str, check: bool = True,
+                 timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         sock = self.gpuscheds[node].socket  # type: ignore[attr-defined]
         done = subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", sock, *args],
                               capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
@@ -150,7 +151,12 @@ class Cluster:
     def stop(self) -> None:
         """Every daemon we started, by pid: slurmds, slurmctld, munged, then the gpuschedds."""
         pids = Path(self.base, "pids")
-        order = sorted(p.name for p in pids.glob("slurmd-*")) + ["slurmctld", "munged"]
+        # Jobs first: a job's slurmstepd outlives its slurmd, so it must end while Slurm can still end it.
+        with contextlib.suppress(AssertionError, subprocess.SubprocessError, OSError):
+            self.run("scancel", "--full", "--user", USER, check=False)
+            wait_for(lambda: self.run("squeue", "-h", "-t", "all", "-o", "%i %T").count("RUNNING") == 0
+                     and "COMPLETING" not in self.run("squeue", "-h", "-t", "all", "-o", "%T"), 30, "jobs to end")
+        order = [*sorted(p.name for p in pids.glob("slurmd-*")), "slurmctld", "munged"]
         for name in order:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 stop_pid(int((pids / name).read_text()))
@@ -254,7 +260,7 @@ def start_cluster(base: str, daemon_process: type) -> Cluster:
         hook = Path(f"{base}/etc/{kind}")
         hook.write_text(f'#!/bin/sh\nexec "{base}/$SLURMD_NODENAME/hooks/{kind}"\n')
         hook.chmod(0o755)
-    spawn(base, "slurmctld", daemon_argv("slurmctld") + ["-i"])
+    spawn(base, "slurmctld", [*daemon_argv("slurmctld"), "-i"])
     for node in NODES:
         spawn(base, f"slurmd-{node}", daemon_argv(f"slurmd-{node}"))
     wait_for(lambda: cluster.node_states() == dict.fromkeys(NODES, "idle"), 60, "every node idle in sinfo", cluster)
