@@ -84,11 +84,16 @@ def relayout(node: str, layout: dict[int, list[str]], scontrol: Scontrol, steps:
     """Drain NODE, wait until no job holds a GPU there, apply `layout`, regenerate the config, restart
     slurmd, let the controller re-read it, and resume once the node reports the new GRES.
 
-    On a failure after the drain the node stays drained with the reason, for an administrator."""
+    If its GPU jobs do not end within `timeout_s`, nothing is changed and the node is resumed; on a
+    failure after that the node stays drained with the reason, for an administrator."""
     reason = f"{RELAYOUT_REASON}: " + ";".join(f"{g}={','.join(p) or 'none'}" for g, p in sorted(layout.items()))
     scontrol.drain(node, reason)
     log(f"drained {node}: waiting for its GPU jobs to end")
-    wait_for(scontrol, node, lambda s: not s.gpus_allocated, timeout_s, "the end of its GPU jobs")
+    try:
+        wait_for(scontrol, node, lambda s: not s.gpus_allocated, timeout_s, "the end of its GPU jobs")
+    except RelayoutError as exc:  # nothing was changed: give the node back rather than leave it idle
+        scontrol.resume(node)
+        raise RelayoutError(f"{exc}; nothing changed, {node} resumed") from None
     try:
         for gpu, profiles in sorted(layout.items()):
             steps.apply(gpu, profiles)

@@ -7,6 +7,7 @@ reached (which slurm.conf, which program) and a hung controller costs a timeout,
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class NodeState:
     reason: str
     gres: str
     alloc_tres: str
+    gres_used: str = ""  # `-d` only: gpu:3g.40gb:1(IDX:2),gpu:a100:0(IDX:N/A),mps:0
 
     @property
     def drain(self) -> bool:
@@ -32,8 +34,15 @@ class NodeState:
 
     @property
     def gpus_allocated(self) -> bool:
-        """A job holds a GPU (or a MIG slice, or an MPS share) here: AllocTRES names gres/gpu or gres/mps."""
-        return any(part.startswith(("gres/gpu", "gres/mps", "gres/shard")) for part in self.alloc_tres.split(","))
+        """A job holds a GPU, a MIG slice or a share here. GresUsed is what counts: AllocTRES names
+        gres/gpu only when AccountingStorageTRES tracks it, so it alone would miss jobs."""
+        if any(part.startswith(("gres/gpu", "gres/mps", "gres/shard")) for part in self.alloc_tres.split(",")):
+            return True
+        for item in re.split(r",(?![^(]*\))", self.gres_used):  # commas inside (IDX:0,2) are not separators
+            count = item.split("(")[0].rsplit(":", 1)[-1]
+            if item.startswith(("gpu", "mps", "shard")) and count.isdigit() and int(count) > 0:
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class Scontrol:
         return done.stdout
 
     def node(self, name: str) -> NodeState:
-        return parse_node(name, self.run("show", "node", name, "--oneliner"))
+        return parse_node(name, self.run("-d", "show", "node", name, "--oneliner"))
 
     def drain(self, name: str, reason: str) -> None:
         self.run("update", f"nodename={name}", "state=drain", f"reason={reason}")
@@ -88,4 +97,5 @@ def parse_node(name: str, text: str) -> NodeState:
         if reason.endswith("]") and " [" in reason:
             reason = reason[: reason.rindex(" [")]
     return NodeState(name=name, state=fields.get("State", ""), reason=reason if sep else "",
-                     gres=fields.get("Gres", ""), alloc_tres=fields.get("AllocTRES", ""))
+                     gres=fields.get("Gres", ""), alloc_tres=fields.get("AllocTRES", ""),
+                     gres_used=fields.get("GresUsed", ""))

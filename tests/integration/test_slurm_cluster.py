@@ -161,6 +161,20 @@ def test_relayout_makes_a_pending_mig_job_runnable_while_the_other_node_keeps_ru
     assert_no_prolog_trouble(cluster)
 
 
+def test_relayout_never_touches_a_node_whose_gpus_are_busy(cluster: Cluster) -> None:
+    busy = sbatch(cluster, "--gres=gpu:3g.40gb:1", script="sleep 300")
+    wait_for(lambda: job_field(cluster, busy, "JobState") == "RUNNING", 30, "the n1 job to run", cluster)
+    before = inventory(cluster, "n1")
+    done = cluster.gpusched("n1", "slurm", "relayout", "n1", "1=7g.80gb", "--out", f"{cluster.base}/n1",
+                            "--restart-slurmd", "false", "--reconfigure", "false", "--timeout", "2", check=False)
+    assert done.returncode == 1 and "the end of its GPU jobs did not happen within 2s" in done.stderr, done
+    assert "nothing changed, n1 resumed" in done.stderr
+    assert inventory(cluster, "n1") == before  # every instance kept, same UUIDs
+    assert node_reason(cluster, "n1")[0] == "MIXED" and job_field(cluster, busy, "JobState") == "RUNNING"
+    cluster.run("scancel", busy)
+    wait_for(lambda: job_field(cluster, busy, "JobState") == "CANCELLED", 30, "the n1 job to end", cluster)
+
+
 def node_reason(cluster: Cluster, node: str) -> tuple[str, str]:
     text = cluster.run("scontrol", "show", "node", node, "--oneliner")
     state = re.search(r"\bState=(\S+)", text)

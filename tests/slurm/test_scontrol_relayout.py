@@ -29,6 +29,19 @@ def test_show_node_fields_with_a_reason_that_has_spaces_and_equals() -> None:
         parse_node("n9", "Node n9 not found\n")
 
 
+def test_a_gpu_counts_as_allocated_from_gres_used_even_when_alloc_tres_does_not_track_it() -> None:
+    # Without AccountingStorageTRES=gres/gpu, AllocTRES shows CPUs only; `-d` adds GresUsed.
+    base = DRAINED.replace("AllocTRES=cpu=1,gres/gpu=1", "AllocTRES=cpu=1").split(" Reason=")[0]
+    used = parse_node("n2", base.replace(" CapWatts", " GresUsed=gpu:1g.10gb:0(IDX:N/A),gpu:4g.40gb:1(IDX:1),mps:0"
+                                                     " CapWatts"))
+    assert used.gpus_allocated
+    free = parse_node("n2", base.replace(" CapWatts", " GresUsed=gpu:1g.10gb:0(IDX:N/A),gpu:4g.40gb:0(IDX:N/A)"
+                                                     " CapWatts"))
+    assert not free.gpus_allocated
+    two = parse_node("n2", base.replace(" CapWatts", " GresUsed=gpu:1g.10gb:2(IDX:0,2) CapWatts"))
+    assert two.gpus_allocated and two.gres_used == "gpu:1g.10gb:2(IDX:0,2)"
+
+
 def test_layout_parsing_names_the_bad_part() -> None:
     assert parse_layout("1=3g.40gb, 2g.20gb;0=none;") == {1: ["3g.40gb", "2g.20gb"], 0: []}
     for bad, needle in (("", "empty"), ("x=1g.10gb", "GPU=PROFILES"), ("0", "GPU=PROFILES"), ("0=", "0=none")):
