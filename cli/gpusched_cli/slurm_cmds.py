@@ -53,7 +53,7 @@ def slurm() -> None:
 @slurm.command("export")
 @click.option("--node", default=None, help="the node's NodeName in slurm.conf  [default: short host name]")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="write gres.conf, slurm-node.conf, gres-map.json and hooks/ here; without it, print them")
+              help="write gres.conf, slurm-node.conf, gres-map.json, billing.txt and hooks/ here; else print them")
 @click.option("--dev-root", default=None,
               help="where the device files are: /dev on real GPUs; with --sim, OUT/dev (created with mknod)")
 @click.option("--node-params", default="", metavar="TEXT",
@@ -74,7 +74,8 @@ def slurm() -> None:
 def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root: str | None, node_params: str,
                  gres_conf: str | None, slurm_conf: str | None, run_dir: str, job_mapping_dir: str | None,
                  mps_control: str | None, gres_mps: bool) -> None:
-    """The node's gres.conf, its `NodeName=... Gres=...` line and the GRES index -> UUID map.
+    """The node's gres.conf, its `NodeName=... Gres=...` line, the GRES index -> UUID map, and
+    TRESBillingWeights terms that charge a MIG slice by its share of the GPU's SMs.
 
     Typed GRES: a MIG instance is `gpu:<profile>` (MultipleFiles= with its nvidia-caps files), a
     whole GPU is `gpu:<model>` (File=); with --gres-mps a GPU shared through MPS also offers `mps`
@@ -91,8 +92,8 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     if out is None:
         devs = gresconf.devices(result, dev_root or "/dev", gres_mps)
         click.echo(f"# gres.conf\n{gresconf.gres_conf(node, devs)}\n# slurm.conf\n"
-                   f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}",
-                   nl=False)
+                   f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}"
+                   f"\n# billing (partition TRESBillingWeights terms)\n{gresconf.billing_weights(result)}\n", nl=False)
         return
     out = os.path.abspath(out)
     if mps_control is None:

@@ -77,6 +77,7 @@ def write_export(result: GpusResult, opts: ExportOptions) -> list[gresconf.GresD
     _write(out / "gres.conf", gres_text)
     _write(out / "slurm-node.conf", node_text)
     _write(out / "gres-map.json", gresconf.gres_map(opts.node, devs))
+    _write(out / "billing.txt", f"TRESBillingWeights={gresconf.billing_weights(result)}\n")
     for kind in HOOKS:
         _write(out / "hooks" / kind, hook_script(kind, opts), mode=0o755)
     _write(out / OPTIONS_FILE, json.dumps(asdict(opts), indent=2) + "\n")

@@ -139,6 +139,21 @@ def node_line(node: str, devs: list[GresDevice], params: str = "") -> str:
     return " ".join(p for p in (f"NodeName={node}", params.strip(), f"Gres={gres}" if gres else "") if p) + "\n"
 
 
+def billing_weights(result: GpusResult) -> str:
+    """TRESBillingWeights terms that charge each typed GPU as gpusched's service does: the fraction
+    of the GPU's SMs it has (a whole GPU 1.0; an A100 1g.10gb 14 of 108 SMs, about 1/7 of the seven
+    slices). Only typed terms: a job counts against both gres/gpu and gres/gpu:TYPE, so weighing
+    both would charge it twice."""
+    weights: dict[str, float] = {}
+    for gpu in result.gpus:
+        if gpu.mig_enabled:
+            for inst in gpu.instances:
+                weights.setdefault(inst.profile, inst.sm_count / gpu.sm_count)
+        else:
+            weights.setdefault(gpu_type(gpu.model), 1.0)
+    return ",".join(f"GRES/gpu:{t}={w:.4f}" for t, w in sorted(weights.items()))
+
+
 def gres_map(node: str, devs: list[GresDevice]) -> str:
     """JSON: Slurm's GRES index -> device (what the job hooks read to turn indices into UUIDs)."""
     return json.dumps({"node": node, "gpus": [asdict(d) for d in devs]}, indent=2) + "\n"

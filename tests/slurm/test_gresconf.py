@@ -46,6 +46,13 @@ def test_whole_gpus_come_first_then_mig_types_and_the_map_numbers_them_alike(
     assert gresconf.load_map(gresconf.gres_map("g1", devs)) == devs
 
 
+def test_billing_weights_charge_a_slice_its_share_of_the_gpu(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    result = inventory(daemon_factory, "A100-80GB:2", {"1": {"mig": ["3g.40gb", "1g.10gb", "1g.10gb"]}})
+    # gpusched's service: instance SMs / GPU SMs, so an A100 1g slice is 14/108, 3g is 42/108.
+    assert gresconf.billing_weights(result) == (
+        "GRES/gpu:1g.10gb=0.1296,GRES/gpu:3g.40gb=0.3889,GRES/gpu:a100-80gb=1.0000")
+
+
 def test_mig_cap_minors_follow_the_drivers_mig_minors_table() -> None:
     assert gresconf.mig_cap_minors(0, 2) == (21, 22)  # gpu0/gi2/access 21, gpu0/gi2/ci0/access 22
     assert gresconf.mig_cap_minors(0, 0) == (3, 4)
