@@ -246,7 +246,8 @@ def start_cluster(base: str, daemon_process: type) -> Cluster:
     Path(f"{base}/etc/slurm.conf").write_text(slurm_conf(base, free_port()))
     host = socket.gethostname()
     for node, spec in NODES.items():
-        gs = daemon_process(f"{base}/{node}.sock", f"{base}/gs-{node}", spec["sim"])
+        os.makedirs(f"{base}/gs-{node}", mode=0o755)  # its own directory: config, log and socket are named by it
+        gs = daemon_process(f"{base}/gs-{node}/g.sock", f"{base}/gs-{node}/state", spec["sim"])
         gs.extra_config = (f'mode = "slurm-node"\n{spec["toml"]}[slurm]\nnode_name = "{node}"\n'
                            f'slurm_conf = "{base}/etc/slurm.conf"\n')
         cluster.gpuscheds[node] = gs

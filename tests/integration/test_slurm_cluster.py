@@ -170,7 +170,7 @@ def test_relayout_never_touches_a_node_whose_gpus_are_busy(cluster: Cluster) -> 
     assert done.returncode == 1 and "the end of its GPU jobs did not happen within 2s" in done.stderr, done
     assert "nothing changed, n1 resumed" in done.stderr
     assert inventory(cluster, "n1") == before  # every instance kept, same UUIDs
-    assert node_reason(cluster, "n1")[0] == "MIXED" and job_field(cluster, busy, "JobState") == "RUNNING"
+    assert not_drained(cluster, "n1") and job_field(cluster, busy, "JobState") == "RUNNING"
     cluster.run("scancel", busy)
     wait_for(lambda: job_field(cluster, busy, "JobState") == "CANCELLED", 30, "the n1 job to end", cluster)
 
@@ -182,14 +182,32 @@ def node_reason(cluster: Cluster, node: str) -> tuple[str, str]:
     return (state.group(1) if state else "", reason.group(1) if reason else "")
 
 
+def not_drained(cluster: Cluster, node: str) -> bool:
+    """In service. Flags such as NOT_RESPONDING (a slurmd restarted by a relayout) are Slurm's own."""
+    return "DRAIN" not in node_reason(cluster, node)[0].split("+")
+
+
 def test_an_injected_xid_drains_the_node_with_the_reason_and_gpus_resume_resumes_it(cluster: Cluster) -> None:
     cluster.gpusched("n2", "sim", "inject-xid", "0", "79")
     state, reason = wait_for(lambda: (s := node_reason(cluster, "n2"))[0].endswith("DRAIN") and s, 30,
                              "n2 to drain in Slurm", cluster)
     assert reason == "gpusched: XID 79 on GPU 0", (state, reason)
-    assert node_reason(cluster, "n1")[0] == "IDLE"
+    assert not_drained(cluster, "n1")
     cluster.gpusched("n2", "gpus", "resume", "0")
-    wait_for(lambda: node_reason(cluster, "n2") == ("IDLE", ""), 30, "n2 to be resumed in Slurm", cluster)
+    wait_for(lambda: not_drained(cluster, "n2") and node_reason(cluster, "n2")[1] == "", 30,
+             "n2 to be resumed in Slurm", cluster)
+
+
+def test_a_lost_gpu_drains_its_node_and_an_administrators_drain_is_never_undone(cluster: Cluster) -> None:
+    cluster.run("scontrol", "update", "nodename=n1", "state=drain", "reason=admin: new fans")
+    cluster.gpusched("n3", "sim", "inject-xid", "0", "79", "--lost")
+    state, reason = wait_for(lambda: (s := node_reason(cluster, "n3"))[0].endswith("DRAIN") and s, 30,
+                             "n3 to drain in Slurm", cluster)
+    assert reason.startswith("gpusched: GPU 0 stopped answering (XID 79)"), reason
+    # n1's gpuschedd has checked by now too (every 2 s; n3 took longer): it left the admin's drain alone.
+    state, reason = node_reason(cluster, "n1")
+    assert "DRAIN" in state.split("+") and reason == "admin: new fans", (state, reason)
+    cluster.run("scontrol", "update", "nodename=n1", "state=resume")
 
 
 def test_submit_is_refused_on_a_slurm_node_with_a_clear_message(cluster: Cluster) -> None:
