@@ -272,6 +272,18 @@ class DaemonConfig(BaseModel):
                 raise ValueError(f"GPU keys must be GPU indices like \"0\", not {key!r}")
         return value
 
+    @field_validator("gpus")
+    @classmethod
+    def _no_dynamic_mig_under_slurm(cls, value: dict[str, GpuConfig], info: ValidationInfo) -> dict[str, GpuConfig]:
+        # Slurm's gres.conf must match the layout; a layout that changes by itself would not.
+        if info.data.get("mode") == "slurm-node":
+            for key, gpu in value.items():
+                if gpu.mig == "dynamic":
+                    raise ValueError(f'gpus.{key}.mig = "dynamic" cannot be used with mode = "slurm-node": Slurm\'s '
+                                     "gres.conf must match the layout; give a fixed list and change it with "
+                                     "`gpusched slurm relayout`")
+        return value
+
     @field_validator("metrics_address")
     @classmethod
     def _metrics_address(cls, value: str | None, info: ValidationInfo) -> str | None:
