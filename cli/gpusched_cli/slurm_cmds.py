@@ -132,12 +132,13 @@ def _sim_mps_control() -> str:
 @click.option("--run-dir", default="/run/gpusched-slurm", show_default=True, help="job records, MPS directories")
 @click.option("--job-mapping-dir", default=None, help="dcgm-exporter job-mapping directory")
 @click.option("--mps-control", default="nvidia-cuda-mps-control", show_default=True,
-              help="MPS control program for gres/mps and gres/shard jobs")
+              help="MPS control program for jobs on share = \"mps\" GPUs")
 def slurm_hook(kind: str, map_path: str, run_dir: str, job_mapping_dir: str | None, mps_control: str) -> None:
     """Slurm's Prolog, TaskProlog or Epilog (export writes scripts that run this).
 
-    prolog (root): SLURM_JOB_GPUS -> device UUIDs, MPS control daemon for gres/mps or gres/shard,
-    dcgm job mapping. task-prolog (the job's user): prints `export CUDA_VISIBLE_DEVICES=<UUIDs>`.
+    prolog (root): SLURM_JOB_GPUS -> device UUIDs, a per-user MPS control daemon for jobs on a
+    share = "mps" GPU (gres/mps jobs included), dcgm job mapping. task-prolog (the job's user):
+    prints `export CUDA_VISIBLE_DEVICES=<UUIDs>` (export's script prints the prolog's file instead).
     epilog (root): undoes the prolog. None of them fails the node: problems go to the job.
     """
     from gpusched.slurm import hooks

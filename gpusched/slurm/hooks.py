@@ -2,7 +2,7 @@
 
 Slurm picks the GRES indices; these hooks turn them into what a CUDA program needs: the device
 UUIDs in CUDA_VISIBLE_DEVICES (a MIG slice is only reachable by its UUID), a per-user MPS control
-daemon for gres/mps and gres/shard jobs, and dcgm-exporter's job-mapping files.
+daemon for jobs on GPUs shared through MPS (gres/mps or not), and dcgm-exporter's job-mapping files.
 
 A failing Prolog drains the node and requeues the job in Slurm, so the Prolog never fails: a
 problem (an index missing from the map, MPS refusing to start) is written into the job's record,
@@ -65,17 +65,12 @@ def parse_indices(text: str) -> list[int]:
     return out
 
 
-def wants_mps(env: Mapping[str, str], chosen: list[GresDevice]) -> bool:
+def wants_mps(chosen: list[GresDevice]) -> bool:
     """Start a per-user MPS control daemon for this job: it runs on a GPU gpusched shares through MPS
-    (share = "mps"), or its GRES request names mps or shard. The second test reads the request from
-    the variables Slurm may export to the Prolog; it was not seen to fire on Slurm 22.05 (see
-    docs/slurm.md), so the share = "mps" GPU is the path that is tested."""
-    if any(d.mps for d in chosen):
-        return True
-    for key in ("SLURM_JOB_GRES", "SLURM_TRES_PER_NODE", "SLURM_JOB_TRES_PER_NODE"):
-        if re.search(r"(^|[,:/])(mps|shard)([:=,]|$)", env.get(key, "")):
-            return True
-    return False
+    (share = "mps"). That covers gres/mps jobs too: export offers gres/mps only on such GPUs, and
+    Slurm 22.05 gives the Prolog nothing but SLURM_JOB_GPUS to tell them apart (seen by hand: no
+    variable names the job's GRES), so the GPU is what decides."""
+    return any(d.mps for d in chosen)
 
 
 def _records_dir(cfg: HookConfig) -> Path:
@@ -144,7 +139,7 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
                 chosen = [devs[i] for i in indices]
                 rec.uuids = [d.uuid for d in chosen]
                 rec.mapping_names = [_mapping_name(d) for d in chosen]
-                if wants_mps(env, chosen):
+                if wants_mps(chosen):
                     mps = _mps_daemon(cfg, chosen[0].uuid, rec.uid)
                     mps.start()
                     rec.mps_device, rec.mps_pipe, rec.mps_log = chosen[0].uuid, str(mps.pipe_dir), str(mps.log_dir)
