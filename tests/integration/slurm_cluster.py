@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -189,7 +190,7 @@ def ensure_user() -> bool:
         return True
 
 
-def slurm_conf(base: str, ctld_port: int) -> str:
+def slurm_conf(base: str, ctld_port: int, nodes: list[str], gres_types: str) -> str:
     return f"""\
 ClusterName=gpusched-test
 SlurmctldHost=localhost(127.0.0.1)
@@ -209,7 +210,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-GresTypes=gpu
+GresTypes={gres_types}
 ReturnToService=2
 MpiDefault=none
 MailProg=/bin/true
@@ -221,14 +222,17 @@ Prolog={base}/etc/prolog
 TaskProlog={base}/etc/task-prolog
 Epilog={base}/etc/epilog
 Include {base}/etc/nodes.conf
-PartitionName=gpu Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def start_cluster(base: str, daemon_process: type) -> Cluster:
-    """Build and start the whole cluster under BASE (a short temporary directory, 0755)."""
+def start_cluster(base: str, daemon_process: type, nodes: dict[str, dict[str, str]] | None = None,
+                  gres_types: str = "gpu", export_args: tuple[str, ...] = ()) -> Cluster:
+    """Build and start the whole cluster under BASE (a short temporary directory, 0755): NODES by
+    default, or `nodes` (name -> sim, toml) with `GresTypes=gres_types` and `export_args` for export."""
+    nodes = NODES if nodes is None else nodes
     cluster = Cluster(base)
-    for sub in ("etc", "log", "pids", "run", "state", "jobs", "munge", *(f"spool/{n}" for n in NODES)):
+    for sub in ("etc", "log", "pids", "run", "state", "jobs", "munge", *(f"spool/{n}" for n in nodes)):
         os.makedirs(f"{base}/{sub}", mode=0o755, exist_ok=True)
     os.chmod(f"{base}/jobs", 0o1777)  # job output, written by the job's user
     cluster.created_user = ensure_user()
@@ -243,9 +247,9 @@ def start_cluster(base: str, daemon_process: type) -> Cluster:
                            f"--seed-file={base}/munge/munged.seed"], user="munge")
     wait_for(lambda: os.path.exists(f"{base}/munge/munge.sock"), 15, "munged's socket")
     # gpuschedd per node, then its export into the shared gres.conf and nodes.conf.
-    Path(f"{base}/etc/slurm.conf").write_text(slurm_conf(base, free_port()))
+    Path(f"{base}/etc/slurm.conf").write_text(slurm_conf(base, free_port(), list(nodes), gres_types))
     host = socket.gethostname()
-    for node, spec in NODES.items():
+    for node, spec in nodes.items():
         os.makedirs(f"{base}/gs-{node}", mode=0o755)  # its own directory: config, log and socket are named by it
         gs = daemon_process(f"{base}/gs-{node}/g.sock", f"{base}/gs-{node}/state", spec["sim"])
         gs.extra_config = (f'mode = "slurm-node"\n{spec["toml"]}[slurm]\nnode_name = "{node}"\n'
@@ -255,16 +259,17 @@ def start_cluster(base: str, daemon_process: type) -> Cluster:
         cluster.gpusched(node, "slurm", "export", "--node", node, "--out", f"{base}/{node}", "--node-params",
                          f"NodeAddr=127.0.0.1 NodeHostname={host} Port={free_port()} CPUs=2",
                          "--gres-conf", f"{base}/etc/gres.conf", "--slurm-conf", f"{base}/etc/nodes.conf",
-                         "--run-dir", f"{base}/run/{node}", "--job-mapping-dir", f"{base}/dcgm/{node}")
+                         "--run-dir", f"{base}/run/{node}", "--job-mapping-dir", f"{base}/dcgm/{node}",
+                         *export_args)
     # One Prolog= for the cluster; both nodes share this host, so pick the node's own hook by name.
     for kind in ("prolog", "task-prolog", "epilog"):
         hook = Path(f"{base}/etc/{kind}")
         hook.write_text(f'#!/bin/sh\nexec "{base}/$SLURMD_NODENAME/hooks/{kind}"\n')
         hook.chmod(0o755)
     spawn(base, "slurmctld", [*daemon_argv("slurmctld"), "-i"])
-    for node in NODES:
+    for node in nodes:
         spawn(base, f"slurmd-{node}", daemon_argv(f"slurmd-{node}"))
-    wait_for(lambda: cluster.node_states() == dict.fromkeys(NODES, "idle"), 60, "every node idle in sinfo", cluster)
+    wait_for(lambda: cluster.node_states() == dict.fromkeys(nodes, "idle"), 60, "every node idle in sinfo", cluster)
     return cluster
 
 
@@ -279,6 +284,39 @@ def wait_for(predicate: object, timeout: float, what: str, cluster: Cluster | No
             raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
                                  f"{cluster.logs() if cluster else ''}")
         time.sleep(0.1)
+
+
+# ---- helpers for the tests ----
+
+
+def sbatch(cluster: Cluster, *args: str, script: str) -> str:
+    out = cluster.run("sbatch", "--parsable", "-o", f"{cluster.base}/jobs/%j.out", *args, "--wrap", script,
+                      user=USER)
+    return out.strip().split(";")[0]
+
+
+def job_field(cluster: Cluster, job_id: str, name: str) -> str:
+    text = cluster.run("scontrol", "show", "job", job_id, "--oneliner")
+    m = re.search(rf"\b{name}=(\S*)", text)
+    return m.group(1) if m else ""
+
+
+def finished(cluster: Cluster, job_id: str, timeout: float = 30) -> str:
+    wait_for(lambda: job_field(cluster, job_id, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+             timeout, f"job {job_id} to finish", cluster)
+    return Path(cluster.base, "jobs", f"{job_id}.out").read_text()
+
+
+def assert_no_prolog_trouble(cluster: Cluster) -> None:
+    reasons = cluster.run("sinfo", "-R", "-h", "-o", "%N|%E")
+    assert "rolog" not in reasons and "pilog" not in reasons, reasons
+
+
+def sinfo_gres(cluster: Cluster) -> dict[str, set[str]]:
+    out = cluster.run("sinfo", "-N", "-h", "-o", "%N %G")
+    # Slurm lists a shared GRES once per GPU type, with :0 on types that offer none: those are not offers.
+    return {node: {p.split("(")[0] for p in gres.split(",") if not p.split("(")[0].endswith(":0")}
+            for node, gres in (ln.split() for ln in out.splitlines())}
 
 
 if __name__ == "__main__":  # `restart BASE NAME`: what relayout runs to restart slurmd / slurmctld

@@ -17,7 +17,16 @@ import pytest
 
 from tests.conftest import DaemonProcess, short_tmpdir
 from tests.integration import slurm_cluster
-from tests.integration.slurm_cluster import USER, Cluster, wait_for
+from tests.integration.slurm_cluster import (
+    USER,
+    Cluster,
+    assert_no_prolog_trouble,
+    finished,
+    job_field,
+    sbatch,
+    sinfo_gres,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a Slurm cluster needs root (slurmd runs jobs as "
                                 "their users; simulated device files need mknod)")
@@ -46,29 +55,6 @@ def inventory(cluster: Cluster, node: str) -> dict[str, object]:
     return json.loads(cluster.gpusched(node, "gpus", "--json").stdout)  # type: ignore[no-any-return]
 
 
-def sbatch(cluster: Cluster, *args: str, script: str) -> str:
-    out = cluster.run("sbatch", "--parsable", "-o", f"{cluster.base}/jobs/%j.out", *args, "--wrap", script,
-                      user=USER)
-    return out.strip().split(";")[0]
-
-
-def job_field(cluster: Cluster, job_id: str, name: str) -> str:
-    text = cluster.run("scontrol", "show", "job", job_id, "--oneliner")
-    m = re.search(rf"\b{name}=(\S*)", text)
-    return m.group(1) if m else ""
-
-
-def finished(cluster: Cluster, job_id: str, timeout: float = 30) -> str:
-    wait_for(lambda: job_field(cluster, job_id, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-             timeout, f"job {job_id} to finish", cluster)
-    return Path(cluster.base, "jobs", f"{job_id}.out").read_text()
-
-
-def assert_no_prolog_trouble(cluster: Cluster) -> None:
-    reasons = cluster.run("sinfo", "-R", "-h", "-o", "%N|%E")
-    assert "rolog" not in reasons and "pilog" not in reasons, reasons
-
-
 def expected_gres(gpus: dict[str, object]) -> set[str]:
     """What the daemon's inventory says Slurm should offer, counted here from `gpus --json`."""
     counts: dict[str, int] = {}
@@ -80,13 +66,6 @@ def expected_gres(gpus: dict[str, object]) -> set[str]:
             key = gpu["model"].lower()
             counts[key] = counts.get(key, 0) + 1
     return {f"gpu:{t}:{n}" for t, n in counts.items()}
-
-
-def sinfo_gres(cluster: Cluster) -> dict[str, set[str]]:
-    out = cluster.run("sinfo", "-N", "-h", "-o", "%N %G")
-    # Slurm lists a shared GRES once per GPU type, with :0 on types that offer none: those are not offers.
-    return {node: {p.split("(")[0] for p in gres.split(",") if not p.split("(")[0].endswith(":0")}
-            for node, gres in (ln.split() for ln in out.splitlines())}
 
 
 def test_sinfo_gres_match_gpusched_layout(cluster: Cluster) -> None:
