@@ -12,11 +12,15 @@ import socket as socket_module
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import click
 
 from gpusched.protocol import GpusRequest, GpusResult, MigApplyRequest, MigApplyResult
 from gpusched_cli.client import Client, resolve_socket
+
+if TYPE_CHECKING:
+    from gpusched.slurm.scontrol import Scontrol
 
 EXIT_SLURM = 1  # Slurm (scontrol, slurmd) or a file refused: the message says which
 
@@ -114,6 +118,32 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     click.echo(gresconf.node_line(node, devs, node_params), nl=False)
 
 
+def _auto_layout(client: Client, node: str, out: str, scontrol: Scontrol, squeue_path: str) -> dict[int, list[str]]:
+    """GPU -> layout for NODE from Slurm's pending MIG jobs (gpusched.slurm.autolayout)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from gpusched.slurm import autolayout, gresconf
+
+    result = client.call(GpusRequest(), GpusResult)
+    try:
+        done = subprocess.run([squeue_path, "--json", "--states=PENDING"], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"{squeue_path} --json: {exc}") from None
+    if done.returncode != 0:
+        raise ValueError(f"`{squeue_path} --json` failed ({done.returncode}): {done.stderr.strip()}")
+    demand = autolayout.pending_demand(json.loads(done.stdout), autolayout.node_profiles(result))
+    devs = gresconf.load_map(Path(out, "gres-map.json").read_text(encoding="utf-8"))
+    busy = autolayout.busy_uuids(scontrol.node(node).gres_used, devs)
+    layouts, unmet = autolayout.plan(result, demand, busy)
+    for profile in unmet:
+        click.echo(f"warning: no room on {node} for a pending {profile} job, even with every idle instance gone",
+                   err=True)
+    return layouts
+
+
 def _abs(path: str | None) -> str | None:
     return os.path.abspath(path) if path is not None else None
 
@@ -150,7 +180,9 @@ def slurm_hook(kind: str, map_path: str, run_dir: str, job_mapping_dir: str | No
 
 @slurm.command("relayout")
 @click.argument("node", metavar="NODE")
-@click.argument("layout", metavar="LAYOUT")
+@click.argument("layout", metavar="[LAYOUT]", required=False)
+@click.option("--auto", is_flag=True, help="plan LAYOUT from the MIG jobs pending in Slurm (squeue --json)")
+@click.option("--squeue", "squeue_path", default="squeue", show_default=True, help="squeue program (--auto)")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="the directory `gpusched slurm export --out` wrote for NODE (its options are reused)")
 @click.option("--restart-slurmd", default="systemctl restart slurmd", show_default=True,
@@ -162,27 +194,45 @@ def slurm_hook(kind: str, map_path: str, run_dir: str, job_mapping_dir: str | No
               help="seconds to wait for NODE's GPU jobs to end, and for slurmd to come back")
 @click.option("--scontrol", "scontrol_path", default="scontrol", show_default=True, help="scontrol program")
 @click.pass_context
-def slurm_relayout(ctx: click.Context, node: str, layout: str, out: str, restart_slurmd: str, reconfigure: str,
-                   timeout_s: float, scontrol_path: str) -> None:
+def slurm_relayout(ctx: click.Context, node: str, layout: str | None, auto: bool, squeue_path: str, out: str,
+                   restart_slurmd: str, reconfigure: str, timeout_s: float, scontrol_path: str) -> None:
     """Give NODE the MIG LAYOUT, e.g. `0=3g.40gb,2g.20gb,2g.20gb;1=none` (GPU=profiles, `;` between GPUs).
 
     Drains NODE in Slurm, waits until no job holds a GPU there, applies the layout through this
     node's gpuschedd (which never destroys a busy instance), regenerates the configuration as
     `export` did, restarts slurmd, lets the controller re-read it, and resumes NODE once it reports
-    the new GRES. If a step fails the node stays drained with the reason.
+    the new GRES. If its jobs do not end within --timeout, nothing changes and NODE is resumed; if
+    a later step fails the node stays drained with the reason.
+
+    With --auto instead of LAYOUT, the layout comes from the jobs Slurm has pending for MIG
+    profiles NODE's GPUs offer: gpusched's demand-driven MIG planner keeps instances that are busy
+    or still asked for, and makes room for the rest; with nothing pending that a layout would help,
+    nothing is done (exit 0).
     """
     from gpusched.protocol import ProtocolError
     from gpusched.slurm import export, gresconf, relayout
     from gpusched.slurm.scontrol import Scontrol, SlurmError
 
+    if (layout is None) == (not auto):
+        _die("give either LAYOUT or --auto", code=2)
     try:
-        wanted = relayout.parse_layout(layout)
+        wanted = relayout.parse_layout(layout) if layout is not None else {}
         opts = export.load_options(os.path.abspath(out))
     except ValueError as exc:
         _die(str(exc), code=2)
     if opts.node != node:
         _die(f"{out} was exported for node {opts.node!r}, not {node!r}", code=2)
+    scontrol = Scontrol(program=scontrol_path)
     with _client(ctx) as client:
+        if auto:
+            try:
+                wanted = _auto_layout(client, node, opts.out, scontrol, squeue_path)
+            except (SlurmError, ValueError, OSError) as exc:
+                _die(str(exc))
+            if not wanted:
+                click.echo(f"{node}: no pending MIG job a new layout would help; nothing changed")
+                return
+            click.echo("planned layout: " + ";".join(f"{g}={','.join(p) or 'none'}" for g, p in sorted(wanted.items())))
         for gpu, profiles in sorted(wanted.items()):  # refuse a bad layout before draining anything
             client.call(MigApplyRequest(gpu=gpu, layout=profiles, dry_run=True), MigApplyResult)
 
@@ -197,7 +247,7 @@ def slurm_relayout(ctx: click.Context, node: str, layout: str, out: str, restart
 
         steps = relayout.Steps(apply=apply, export=regenerate, command=relayout.run_command)
         try:
-            relayout.relayout(node, wanted, Scontrol(program=scontrol_path), steps, restart_slurmd=restart_slurmd,
+            relayout.relayout(node, wanted, scontrol, steps, restart_slurmd=restart_slurmd,
                               reconfigure=reconfigure, timeout_s=timeout_s, log=click.echo)
         except (relayout.RelayoutError, SlurmError) as exc:
             _die(str(exc))

@@ -140,6 +140,29 @@ def test_relayout_makes_a_pending_mig_job_runnable_while_the_other_node_keeps_ru
     assert_no_prolog_trouble(cluster)
 
 
+def relayout_args(cluster: Cluster, node: str) -> list[str]:
+    return ["--out", f"{cluster.base}/{node}", "--restart-slurmd", cluster.restart_command(f"slurmd-{node}"),
+            "--reconfigure", cluster.restart_command("slurmctld"), "--timeout", "60"]
+
+
+def test_relayout_auto_plans_the_layout_from_slurms_pending_mig_jobs(cluster: Cluster) -> None:
+    idle = cluster.gpusched("n1", "slurm", "relayout", "n1", "--auto", *relayout_args(cluster, "n1"))
+    assert "no pending MIG job a new layout would help; nothing changed" in idle.stdout
+    long_job = sbatch(cluster, "--gres=gpu:4g.40gb:1", script="sleep 300")  # n2's only 4g.40gb
+    wait_for(lambda: job_field(cluster, long_job, "JobState") == "RUNNING", 30, "the n2 job to run", cluster)
+    pending = sbatch(cluster, "--gres=gpu:4g.40gb:1", script='echo "node=$SLURMD_NODENAME cvd=$CUDA_VISIBLE_DEVICES"')
+    wait_for(lambda: job_field(cluster, pending, "Reason") == "Resources", 30, "the 4g job to pend", cluster)
+    assert not instance_uuid(cluster, "n1", "4g.40gb")
+    done = cluster.gpusched("n1", "slurm", "relayout", "n1", "--auto", *relayout_args(cluster, "n1"), timeout=120)
+    assert "planned layout: 1=" in done.stdout and "4g.40gb" in done.stdout and "resumed n1" in done.stdout, done
+    out = finished(cluster, pending, timeout=60)
+    fields = dict(p.split("=", 1) for p in out.split())
+    assert fields["node"] == "n1" and {fields["cvd"]} == instance_uuid(cluster, "n1", "4g.40gb"), out
+    assert job_field(cluster, long_job, "JobState") == "RUNNING"
+    cluster.run("scancel", long_job)
+    wait_for(lambda: job_field(cluster, long_job, "JobState") == "CANCELLED", 30, "the n2 job to end", cluster)
+
+
 def test_relayout_never_touches_a_node_whose_gpus_are_busy(cluster: Cluster) -> None:
     busy = sbatch(cluster, "--gres=gpu:3g.40gb:1", script="sleep 300")
     wait_for(lambda: job_field(cluster, busy, "JobState") == "RUNNING", 30, "the n1 job to run", cluster)
