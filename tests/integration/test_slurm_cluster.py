@@ -83,13 +83,19 @@ def instance_uuid(cluster: Cluster, node: str, profile: str) -> set[str]:
 
 
 def test_mig_job_as_ordinary_user_lands_on_the_right_node_and_sees_its_mig_uuid(cluster: Cluster) -> None:
-    job = sbatch(cluster, "--gres=gpu:3g.40gb:1",
-                 script='echo "node=$SLURMD_NODENAME user=$(id -un) cvd=$CUDA_VISIBLE_DEVICES"')
+    dcgm = Path(cluster.base, "dcgm", "n1")
+    job = sbatch(cluster, "--gres=gpu:3g.40gb:1", script=(
+        'echo "node=$SLURMD_NODENAME user=$(id -un) cvd=$CUDA_VISIBLE_DEVICES '
+        f'dcgm=$(cd {dcgm} && grep -lx "$SLURM_JOB_ID" *)"'))
     out = finished(cluster, job)
     assert job_field(cluster, job, "JobState") == "COMPLETED", out
     fields = dict(p.split("=", 1) for p in out.split())
     assert fields["node"] == "n1" and fields["user"] == USER  # only n1 has a 3g.40gb
     assert fields["cvd"].startswith("MIG-") and {fields["cvd"]} == instance_uuid(cluster, "n1", "3g.40gb")
+    gpus = inventory(cluster, "n1")["gpus"]
+    gi = next(i["gi_id"] for g in gpus for i in g["instances"] if i["uuid"] == fields["cvd"])  # type: ignore[attr-defined]
+    assert fields["dcgm"] == f"1.{gi}"  # dcgm-exporter's job-mapping file for GPU 1, GPU instance gi
+    wait_for(lambda: not list(dcgm.iterdir()), 15, "the Epilog to clear the job mapping", cluster)
     assert_no_prolog_trouble(cluster)
 
 
