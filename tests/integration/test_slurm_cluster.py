@@ -99,6 +99,21 @@ def test_mig_job_as_ordinary_user_lands_on_the_right_node_and_sees_its_mig_uuid(
     assert_no_prolog_trouble(cluster)
 
 
+def test_a_prolog_problem_reaches_the_job_and_never_drains_the_node(cluster: Cluster) -> None:
+    gres_map = Path(cluster.base, "n1", "gres-map.json")
+    saved = gres_map.read_text()
+    gres_map.write_text(json.dumps({"node": "n1", "gpus": []}))  # as if the export were stale
+    try:
+        job = sbatch(cluster, "--gres=gpu:a100-80gb:1", script='echo "cvd=[$CUDA_VISIBLE_DEVICES]"')
+        out = finished(cluster, job)
+    finally:
+        gres_map.write_text(saved)
+    assert "gpusched prolog on n1: GRES index 0 is not in" in out and "no GPU is visible to this job" in out, out
+    assert "cvd=[]" in out  # no GPU rather than a wrong one
+    assert job_field(cluster, job, "JobState") == "COMPLETED" and not_drained(cluster, "n1")
+    assert_no_prolog_trouble(cluster)
+
+
 def test_srun_spans_both_nodes_each_task_seeing_its_own_nodes_gpu(cluster: Cluster) -> None:
     out = cluster.run("srun", "-N2", "-w", "n1,n2", "--ntasks-per-node=1", "--gres=gpu:1", "-l", "sh", "-c",
                       'echo "$SLURMD_NODENAME $CUDA_VISIBLE_DEVICES"', user=USER, timeout=60)
