@@ -178,7 +178,9 @@ def task_prolog_lines(rec: JobRecord) -> str:
     script) only prints the file, so no interpreter starts per task and the job's user needs no
     access to gpusched's installation."""
     if rec.error is not None:
-        return f"print {rec.error}; no GPU is visible to this job\nexport CUDA_VISIBLE_DEVICES=\n"
+        # One line: Slurm runs every line of this output as a command (export, unset, print).
+        message = " ".join(rec.error.split())
+        return f"print {message}; no GPU is visible to this job\nexport CUDA_VISIBLE_DEVICES=\n"
     out = f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n" if rec.uuids else ""
     if rec.mps_pipe is not None and rec.mps_log is not None:
         out += f"export CUDA_MPS_PIPE_DIRECTORY={rec.mps_pipe}\nexport CUDA_MPS_LOG_DIRECTORY={rec.mps_log}\n"

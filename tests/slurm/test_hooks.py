@@ -69,6 +69,9 @@ def test_a_prolog_problem_goes_to_the_job_never_to_the_node(cfg: hooks.HookConfi
     assert out.endswith("export CUDA_VISIBLE_DEVICES=\n")  # no GPU rather than a wrong one
     assert hooks.run("epilog", cfg, env(9, "")) == 0
     assert hooks.run("prolog", cfg, {"SLURM_JOB_GPUS": "0"}) == 2  # not run by Slurm at all
+    rec = hooks.JobRecord(job_id="10", uid=0, error="line one\nexport LD_PRELOAD=/tmp/x.so")
+    assert hooks.task_prolog_lines(rec).splitlines() == [
+        "print line one export LD_PRELOAD=/tmp/x.so; no GPU is visible to this job", "export CUDA_VISIBLE_DEVICES="]
 
 
 def test_jobs_on_an_mps_gpu_share_one_control_daemon_per_user_until_the_last_ends(cfg: hooks.HookConfig) -> None:
