@@ -1,7 +1,7 @@
-"""gpusched under a real Slurm cluster on this machine (issue 14): munged, slurmctld and two slurmd,
+"""gpusched under a real Slurm cluster on this machine (issue 14): munged, slurmctld and three slurmd,
 each node backed by its own `gpuschedd --mode slurm-node --sim` (n1: two A100-80GB, GPU 0 whole,
-GPU 1 in MIG mode; n2: one H100-80GB in MIG mode; n3: one H100-80GB shared through MPS). The cluster starts once
-for the module; the tests run in file order and leave it as they found it.
+GPU 1 in MIG mode; n2: one H100-80GB in MIG mode; n3: one H100-80GB shared through MPS). The cluster
+starts once for the module; the tests run in file order, and each ends the jobs it started.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def cluster() -> Iterator[Cluster]:
     try:
         made = slurm_cluster.start_cluster(base, DaemonProcess)
         yield made
-        made.run("scancel", "-u", USER, check=False)
     finally:
         made.stop()
         shutil.rmtree(base, ignore_errors=True)
