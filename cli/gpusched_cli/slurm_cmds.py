@@ -74,16 +74,19 @@ def slurm() -> None:
 @click.option("--gres-mps", is_flag=True,
               help="also offer GPUs configured share = \"mps\" as gres/mps (Slurm 22.05: not on nodes or clusters "
               "with MIG GPUs, see docs/slurm.md)")
+@click.option("--gres-shard", "gres_shards", type=click.IntRange(0, 1024), default=0, metavar="N",
+              help="also offer each GPU configured share = \"mps\" as N gres/shard (same limits as --gres-mps)")
 @click.pass_context
 def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root: str | None, node_params: str,
                  gres_conf: str | None, slurm_conf: str | None, run_dir: str, job_mapping_dir: str | None,
-                 mps_control: str | None, gres_mps: bool) -> None:
+                 mps_control: str | None, gres_mps: bool, gres_shards: int) -> None:
     """The node's gres.conf, its `NodeName=... Gres=...` line, the GRES index -> UUID map, and
     TRESBillingWeights terms that charge a MIG slice by its share of the GPU's SMs.
 
     Typed GRES: a MIG instance is `gpu:<profile>` (MultipleFiles= with its nvidia-caps files), a
-    whole GPU is `gpu:<model>` (File=); with --gres-mps a GPU shared through MPS also offers `mps`
-    (Count=100). Every job on a GPU configured share = "mps" gets a per-user MPS control daemon.
+    whole GPU is `gpu:<model>` (File=); a GPU shared through MPS also offers `mps` (Count=100) with
+    --gres-mps, and N `shard` with --gres-shard N. Every job on a GPU configured share = "mps" gets
+    a per-user MPS control daemon.
     Records are grouped by type in the order Slurm numbers them. With --sim the device files are
     created with mknod under OUT/dev (root only): Slurm refuses plain files.
     """
@@ -94,7 +97,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     node = node or _default_node()
     sim = result.backend == "sim"
     if out is None:
-        devs = gresconf.devices(result, dev_root or "/dev", gres_mps)
+        devs = gresconf.devices(result, dev_root or "/dev", gres_mps, gres_shards)
         click.echo(f"# gres.conf\n{gresconf.gres_conf(node, devs)}\n# slurm.conf\n"
                    f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}"
                    f"\n# billing (partition TRESBillingWeights terms)\n{gresconf.billing_weights(result)}\n", nl=False)
@@ -107,13 +110,13 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
         dev_root=os.path.abspath(dev_root) if dev_root else (os.path.join(out, "dev") if sim else "/dev"),
         mknod=sim, node_params=node_params, gres_conf=_abs(gres_conf), slurm_conf=_abs(slurm_conf),
         run_dir=os.path.abspath(run_dir), job_mapping_dir=_abs(job_mapping_dir), mps_control=mps_control,
-        gres_mps=gres_mps)
+        gres_mps=gres_mps, gres_shards=gres_shards)
     try:
         devs = export.write_export(result, opts)
     except (OSError, ValueError) as exc:
         _die(str(exc))
-    for why in gresconf.mps_skipped(result, devs) if gres_mps else []:
-        click.echo(f"warning: not offered as gres/mps: {why}", err=True)
+    for why in gresconf.mps_skipped(result, devs) if gres_mps or gres_shards else []:
+        click.echo(f"warning: not offered as gres/mps or gres/shard: {why}", err=True)
     click.echo(f"{node}: {len(devs)} GPU device(s) -> {out} (gres.conf, slurm-node.conf, gres-map.json, hooks/)")
     click.echo(gresconf.node_line(node, devs, node_params), nl=False)
 

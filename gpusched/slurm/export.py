@@ -36,6 +36,7 @@ class ExportOptions:
     job_mapping_dir: str | None = None
     mps_control: str = "nvidia-cuda-mps-control"
     gres_mps: bool = False  # offer share = "mps" GPUs as gres/mps too (see gresconf.mps_skipped)
+    gres_shards: int = 0  # offer share = "mps" GPUs as this many gres/shard each
 
 
 def load_options(out: str) -> ExportOptions:
@@ -67,7 +68,7 @@ def hook_script(kind: str, opts: ExportOptions) -> str:
 
 def write_export(result: GpusResult, opts: ExportOptions) -> list[gresconf.GresDevice]:
     """Write everything for `opts.node`; returns its devices. Raises ValueError/OSError with the path."""
-    devs = gresconf.devices(result, opts.dev_root, opts.gres_mps)
+    devs = gresconf.devices(result, opts.dev_root, opts.gres_mps, opts.gres_shards)
     if opts.mknod:
         devfiles.make_device_files(devs, opts.dev_root)
     out = Path(opts.out)

@@ -229,7 +229,8 @@ PartitionName=gpu Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 def start_cluster(base: str, daemon_process: type, nodes: dict[str, dict[str, str]] | None = None,
                   gres_types: str = "gpu", export_args: tuple[str, ...] = ()) -> Cluster:
     """Build and start the whole cluster under BASE (a short temporary directory, 0755): NODES by
-    default, or `nodes` (name -> sim, toml) with `GresTypes=gres_types` and `export_args` for export."""
+    default, or `nodes` (name -> sim, toml and optional export flags) with `GresTypes=gres_types` and
+    `export_args` for every export."""
     nodes = NODES if nodes is None else nodes
     cluster = Cluster(base)
     for sub in ("etc", "log", "pids", "run", "state", "jobs", "munge", *(f"spool/{n}" for n in nodes)):
@@ -260,7 +261,7 @@ def start_cluster(base: str, daemon_process: type, nodes: dict[str, dict[str, st
                          f"NodeAddr=127.0.0.1 NodeHostname={host} Port={free_port()} CPUs=2",
                          "--gres-conf", f"{base}/etc/gres.conf", "--slurm-conf", f"{base}/etc/nodes.conf",
                          "--run-dir", f"{base}/run/{node}", "--job-mapping-dir", f"{base}/dcgm/{node}",
-                         *export_args)
+                         *export_args, *spec.get("export", "").split())
     # One Prolog= for the cluster; both nodes share this host, so pick the node's own hook by name.
     for kind in ("prolog", "task-prolog", "epilog"):
         hook = Path(f"{base}/etc/{kind}")

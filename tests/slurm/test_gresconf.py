@@ -65,6 +65,9 @@ def test_gres_mps_is_offered_only_where_slurm_can_pair_it(daemon_factory: Callab
     assert [d.gres_mps for d in devs] == [True, True] and gresconf.mps_skipped(whole, devs) == []
     assert gresconf.gres_spec(devs) == "gpu:h100-80gb:2,mps:h100-80gb:200"
     assert not any(d.gres_mps for d in gresconf.devices(whole, "/dev"))  # only on request
+    sharded = gresconf.devices(whole, "/dev", gres_shards=4)
+    assert gresconf.gres_spec(sharded) == "gpu:h100-80gb:2,shard:h100-80gb:8"
+    assert "NodeName=g1 Name=shard Type=h100-80gb Count=4 File=/dev/nvidia1" in gresconf.gres_conf("g1", sharded)
     mixed = inventory(daemon_factory, "H100-80GB:2", {"0": {"share": "mps"}, "1": {"mig": ["3g.40gb"]}})
     devs = gresconf.devices(mixed, "/dev", gres_mps=True)
     assert not any(d.gres_mps for d in devs) and devs[0].mps  # the hooks still start MPS for its jobs
