@@ -49,7 +49,8 @@ class JobRecord:
     mps_device: str | None = None
     mps_pipe: str | None = None
     mps_log: str | None = None
-    error: str | None = None
+    error: str | None = None  # the job gets no GPU (and is told why)
+    warning: str | None = None  # the job is told, and runs on its GPUs all the same
 
 
 def parse_indices(text: str) -> list[int]:
@@ -143,7 +144,10 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
                     mps = _mps_daemon(cfg, chosen[0].uuid, rec.uid)
                     mps.start()
                     rec.mps_device, rec.mps_pipe, rec.mps_log = chosen[0].uuid, str(mps.pipe_dir), str(mps.log_dir)
-                _update_mapping(cfg, rec.mapping_names, int(job_id), add=True)
+                try:
+                    _update_mapping(cfg, rec.mapping_names, int(job_id), add=True)
+                except OSError as exc:  # monitoring loses this job's label; the job keeps its GPUs
+                    rec.warning = f"gpusched prolog on {env.get('SLURMD_NODENAME', '?')}: dcgm job mapping: {exc}"
         except Exception as exc:  # the job hears about it (TaskProlog); the node stays in service
             rec.error = f"gpusched prolog on {env.get('SLURMD_NODENAME', '?')}: {exc}"
         _write_record(cfg, rec)
@@ -181,7 +185,8 @@ def task_prolog_lines(rec: JobRecord) -> str:
         # One line: Slurm runs every line of this output as a command (export, unset, print).
         message = " ".join(rec.error.split())
         return f"print {message}; no GPU is visible to this job\nexport CUDA_VISIBLE_DEVICES=\n"
-    out = f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n" if rec.uuids else ""
+    out = f"print {' '.join(rec.warning.split())}\n" if rec.warning is not None else ""
+    out += f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n" if rec.uuids else ""
     if rec.mps_pipe is not None and rec.mps_log is not None:
         out += f"export CUDA_MPS_PIPE_DIRECTORY={rec.mps_pipe}\nexport CUDA_MPS_LOG_DIRECTORY={rec.mps_log}\n"
     return out
@@ -235,8 +240,9 @@ def run(kind: str, cfg: HookConfig, env: Mapping[str, str]) -> int:
         except ValueError as exc:  # not run by Slurm at all: say so
             print(f"gpusched slurm hook prolog: {exc}", file=sys.stderr)
             return 2
-        if rec.error:
-            print(rec.error, file=sys.stderr)
+        for problem in (rec.error, rec.warning):
+            if problem:
+                print(problem, file=sys.stderr)
         return 0
     if kind == "task-prolog":
         task_prolog(cfg, env, sys.stdout)

@@ -74,6 +74,17 @@ def test_a_prolog_problem_goes_to_the_job_never_to_the_node(cfg: hooks.HookConfi
         "print line one export LD_PRELOAD=/tmp/x.so; no GPU is visible to this job", "export CUDA_VISIBLE_DEVICES="]
 
 
+def test_a_job_mapping_that_cannot_be_written_costs_the_label_not_the_gpu(cfg: hooks.HookConfig) -> None:
+    Path(str(cfg.job_mapping_dir)).mkdir(mode=0o777)
+    os.chmod(str(cfg.job_mapping_dir), 0o777)  # writable by anyone: refused (daemon/jobmap.py)
+    rec = hooks.prolog(cfg, env(20, "1"))
+    assert rec.error is None and rec.uuids == ["MIG-bbb"]
+    lines = task_output(cfg, 20).splitlines()
+    assert lines[0].startswith("print gpusched prolog on n1: dcgm job mapping:") and "writable by other" in lines[0]
+    assert lines[1:] == ["export CUDA_VISIBLE_DEVICES=MIG-bbb"]
+    hooks.epilog(cfg, env(20, ""))
+
+
 def test_jobs_on_an_mps_gpu_share_one_control_daemon_per_user_until_the_last_ends(cfg: hooks.HookConfig) -> None:
     first = hooks.prolog(cfg, env(10, "0"))
     second = hooks.prolog(cfg, env(11, "0"))
