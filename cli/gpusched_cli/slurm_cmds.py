@@ -54,7 +54,7 @@ def slurm() -> None:
     """Run this node's GPUs under Slurm (gpuschedd --mode slurm-node; see docs/slurm.md)."""
 
 
-@slurm.command("export")
+@slurm.command("export", short_help="Write the node's gres.conf, NodeName line, GRES map and hooks.")
 @click.option("--node", default=None, help="the node's NodeName in slurm.conf  [default: short host name]")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="write gres.conf, slurm-node.conf, gres-map.json, billing.txt and hooks/ here; else print them")
@@ -159,7 +159,7 @@ def _sim_mps_control() -> str:
     return spec.origin
 
 
-@slurm.command("hook")
+@slurm.command("hook", short_help="Slurm's Prolog, TaskProlog or Epilog.")
 @click.argument("kind", type=click.Choice(["prolog", "task-prolog", "epilog"]))
 @click.option("--map", "map_path", required=True, help="gres-map.json written by `gpusched slurm export`")
 @click.option("--run-dir", default="/run/gpusched-slurm", show_default=True, help="job records, MPS directories")
@@ -181,7 +181,7 @@ def slurm_hook(kind: str, map_path: str, run_dir: str, job_mapping_dir: str | No
     sys.exit(hooks.run(kind, cfg, os.environ))
 
 
-@slurm.command("relayout")
+@slurm.command("relayout", short_help="Change a node's MIG layout safely (drain, apply, resume).")
 @click.argument("node", metavar="NODE")
 @click.argument("layout", metavar="[LAYOUT]", required=False)
 @click.option("--auto", is_flag=True, help="plan LAYOUT from the MIG jobs pending in Slurm (squeue --json)")
