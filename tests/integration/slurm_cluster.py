@@ -20,8 +20,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # this file also runs as a script (restart), where tests.conftest is not importable
+    from tests.conftest import DaemonProcess
+
+T = TypeVar("T")
 
 INSTALL_HINT = "apt-get install -y --no-install-recommends slurm-wlm munge"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "squeue")
@@ -33,7 +40,6 @@ NODES = {
     # gives typed MIG requests zero devices; docs/slurm.md).
     "n3": {"sim": "H100-80GB:1", "toml": '[gpus.0]\nshare = "mps"\n'},
 }
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def missing_tools() -> list[str]:
@@ -108,7 +114,7 @@ def daemon_argv(name: str) -> list[str]:
 @dataclass
 class Cluster:
     base: str
-    gpuscheds: dict[str, object] = field(default_factory=dict)  # node -> conftest.DaemonProcess
+    gpuscheds: dict[str, DaemonProcess] = field(default_factory=dict)
     created_user: bool = False
 
     @property
@@ -126,7 +132,7 @@ class Cluster:
 
     def gpusched(self, node: str, *args: str, check: bool = True,
                  timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        sock = self.gpuscheds[node].socket  # type: ignore[attr-defined]
+        sock = self.gpuscheds[node].socket
         done = subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", sock, *args],
                               capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
         if check and done.returncode != 0:
@@ -162,7 +168,7 @@ class Cluster:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 stop_pid(int((pids / name).read_text()))
         for handle in self.gpuscheds.values():
-            proc = handle.proc  # type: ignore[attr-defined]
+            proc = handle.proc
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(30)
@@ -226,7 +232,7 @@ PartitionName=gpu Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def start_cluster(base: str, daemon_process: type, nodes: dict[str, dict[str, str]] | None = None,
+def start_cluster(base: str, daemon_process: type[DaemonProcess], nodes: dict[str, dict[str, str]] | None = None,
                   gres_types: str = "gpu", export_args: tuple[str, ...] = ()) -> Cluster:
     """Build and start the whole cluster under BASE (a short temporary directory, 0755): NODES by
     default, or `nodes` (name -> sim, toml and optional export flags) with `GresTypes=gres_types` and
@@ -274,11 +280,11 @@ def start_cluster(base: str, daemon_process: type, nodes: dict[str, dict[str, st
     return cluster
 
 
-def wait_for(predicate: object, timeout: float, what: str, cluster: Cluster | None = None) -> object:
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, cluster: Cluster | None = None) -> T:
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(AssertionError, subprocess.SubprocessError):
-            value = predicate()  # type: ignore[operator]
+            value = predicate()
             if value:
                 return value
         if time.monotonic() > deadline:
