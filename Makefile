@@ -16,14 +16,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m gpusched_cli.demo
 
-## Tools the tests use from the host: systemd-analyze verifies the unit, tmux drives `top`. Installed when we are
-## root and it is missing (CI); otherwise the test that needs it says how to get it.
+## Tools the tests use from the host: systemd-analyze verifies the unit, tmux drives `top`, Slurm and munge run
+## the one-host cluster (tests/integration/test_slurm_cluster.py). Installed when we are root and one is missing
+## (CI); otherwise the test that needs it says how to get it. The tests never use the packages' own services.
 host-tools:
-	@if ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1; then \
+	@if ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1 \
+			|| ! PATH="$$PATH:/usr/sbin" command -v slurmctld >/dev/null 2>&1 \
+			|| ! PATH="$$PATH:/usr/sbin" command -v munged >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd tmux; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+				systemd tmux slurm-wlm munge; \
 		else \
-			echo "note: systemd-analyze or tmux missing; the tests that need them say how to install them"; \
+			echo "note: systemd-analyze, tmux, slurmctld or munged missing; the tests that need them say how to install them"; \
 		fi; \
 	fi
 

@@ -168,6 +168,22 @@ class MigSection(BaseModel):
     )
 
 
+class SlurmSection(BaseModel):
+    """`[slurm]`: how a node in `mode = "slurm-node"` reaches Slurm (docs/slurm.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: str | None = Field(
+        default=None, description="this node's NodeName in slurm.conf; unset: the short host name (as slurmd uses)"
+    )
+    scontrol: str = Field(default="scontrol", description="the scontrol program used to drain and resume the node")
+    slurm_conf: str | None = Field(
+        default=None, description="slurm.conf to use (passed as SLURM_CONF); unset: Slurm's own default"
+    )
+    timeout_s: float = Field(default=10.0, gt=0, le=300, description="a scontrol call taking longer is abandoned "
+                             "and retried on the next check")
+
+
 class DaemonConfig(BaseModel):
     """Everything gpuschedd needs to start. docs/config.md documents every field (python -m gpusched.config_doc)."""
 
@@ -175,6 +191,11 @@ class DaemonConfig(BaseModel):
 
     socket: str = Field(description="Unix socket the daemon listens on")
     state_dir: str = Field(description="SQLite database, job directories and logs")
+    mode: Literal["standalone", "slurm-node"] = Field(
+        default="standalone", description="standalone: gpusched's own queue; slurm-node: Slurm owns the queue, "
+        "gpusched keeps the GPU layout and health and drains the node in Slurm on a fault (submit is refused)"
+    )
+    slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm integration (mode = \"slurm-node\")")
     sim: str | None = Field(
         default=None,
         description="simulated GPUs, e.g. \"H100-80GB:2\" or \"GH200-96GB:2,H200:2\"; models: A100-40GB, A100-80GB, "
@@ -276,6 +297,18 @@ class DaemonConfig(BaseModel):
         for key in value:
             if not key.isdigit():
                 raise ValueError(f"GPU keys must be GPU indices like \"0\", not {key!r}")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _no_dynamic_mig_under_slurm(cls, value: dict[str, GpuConfig], info: ValidationInfo) -> dict[str, GpuConfig]:
+        # Slurm's gres.conf must match the layout; a layout that changes by itself would not.
+        if info.data.get("mode") == "slurm-node":
+            for key, gpu in value.items():
+                if gpu.mig == "dynamic":
+                    raise ValueError(f'gpus.{key}.mig = "dynamic" cannot be used with mode = "slurm-node": Slurm\'s '
+                                     "gres.conf must match the layout; give a fixed list and change it with "
+                                     "`gpusched slurm relayout`")
         return value
 
     @field_validator("metrics_address")

@@ -60,6 +60,7 @@ COMMANDS: dict[str, str] = {
     "admin": "node:admin",
     "shutdown": "node:shutdown",
     "replay": "replay:replay",
+    "slurm": "slurm:slurm",
 }
 
 

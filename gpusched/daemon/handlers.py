@@ -117,6 +117,10 @@ def hello(ctx: Context, req: HelloRequest) -> HelloResult:
 
 
 def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
+    if ctx.engine.config.mode == "slurm-node":  # one queue per GPU: Slurm's (docs/slurm.md)
+        raise ProtocolError(ErrorCode.INVALID_STATE,
+                            "this node runs gpuschedd in slurm-node mode: Slurm owns the queue, gpusched only "
+                            "manages the GPUs", "submit with Slurm instead, e.g. `sbatch --gres=gpu:1g.10gb:1 job.sh`")
     job = ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec, hold=req.hold)
     return SubmitResult(job_id=job.id, state=job.state)
 

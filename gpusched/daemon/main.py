@@ -62,6 +62,7 @@ class Daemon:
 
     loader: Callable[[], DaemonConfig] | None = None  # re-reads the config file (SIGHUP, `admin reload`)
     pruner: asyncio.Task[None] | None = None  # deletes finished jobs past their retention (prune_periodically)
+    slurm_agent: asyncio.Task[None] | None = None  # mode = "slurm-node": drains/resumes the node in Slurm
 
     def request_stop(self) -> None:
         self.stopped.set()
@@ -119,7 +120,7 @@ class Daemon:
 # Settings bound to resources acquired at start (the socket, the database, the driver, cgroups, the
 # metrics listener): a reload reports them and a restart applies them.
 RESTART_KEYS = frozenset({"socket", "state_dir", "sim", "cgroup_root", "metrics_address", "metrics_allow_remote",
-                          "mps_control", "launcher"})
+                          "mps_control", "launcher", "mode"})
 
 
 PRUNE_INTERVAL_S = 60.0
@@ -265,15 +266,22 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
     daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader)
     server.reload = daemon.reload
     daemon.pruner = asyncio.create_task(prune_periodically(daemon), name="gpusched-prune")
+    if config.mode == "slurm-node":
+        from gpusched.slurm import nodeagent  # only Slurm nodes need it
+
+        daemon.slurm_agent = asyncio.create_task(nodeagent.run(engine, lambda: daemon.config), name="gpusched-slurm")
+        log.info("slurm-node mode: Slurm owns the queue; node %s follows gpusched's GPU health",
+                 nodeagent.node_name(config))
     return daemon
 
 
 async def stop(daemon: Daemon) -> None:
     """Stop accepting, finish in-flight requests, persist, release the GPU backend."""
-    if daemon.pruner is not None:
-        daemon.pruner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await daemon.pruner
+    for task in (daemon.pruner, daemon.slurm_agent):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if daemon.metrics is not None:
         await daemon.metrics.close()
     await daemon.server.close()
@@ -356,11 +364,14 @@ def sd_notify(message: str) -> None:
               f"Models: {', '.join(MODEL_KEYS)}.")
 @click.option("--socket", "socket_path", help="Unix socket to listen on.")
 @click.option("--state-dir", help="Directory for the database, job records and logs.")
+@click.option("--mode", type=click.Choice(["standalone", "slurm-node"]),
+              help="slurm-node: Slurm owns the queue (submit is refused); gpusched keeps the GPU layout and health "
+              "and drains the node in Slurm on a fault. See docs/slurm.md.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 @click.version_option(__version__, prog_name="gpuschedd")
 def cli(config_path: str | None, sim: str | None, socket_path: str | None, state_dir: str | None,
-        log_level: str) -> None:
+        mode: str | None, log_level: str) -> None:
     """gpuschedd: the gpusched daemon.
 
     Keeps a fair queue of GPU jobs and runs each on a whole GPU, a MIG instance or a share of one.
@@ -368,7 +379,7 @@ def cli(config_path: str | None, sim: str | None, socket_path: str | None, state
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    overrides = {"sim": sim, "socket": socket_path, "state_dir": state_dir}
+    overrides = {"sim": sim, "socket": socket_path, "state_dir": state_dir, "mode": mode}
     if config_path is not None:
         config_path = os.path.abspath(config_path)
     try:

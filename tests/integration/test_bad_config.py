@@ -28,6 +28,9 @@ CASES: dict[str, tuple[bytes, list[str]]] = {
     "out-of-range": (b'max_connections = 0\n', ["max_connections", "greater than or equal to 1"]),
     "bad-choice": (b'[gpus.0]\nshare = "sometimes"\n', ["gpus.0.share", "'exclusive', 'mps' or 'timeslice'"]),
     "not-utf8": (b'tick_s = 0.2\n# caf\xe9\n', ["UTF-8"]),
+    "slurm-dynamic-mig": (b'mode = "slurm-node"\n[gpus.0]\nmig = "dynamic"\n',
+                          ["gpus.0.mig = \"dynamic\" cannot be used with mode = \"slurm-node\"", "slurm relayout"]),
+    "bad-mode": (b'mode = "cluster"\n', ["mode", "'standalone' or 'slurm-node'"]),
 }
 XFAIL: dict[str, str] = {}  # cases that show a known daemon bug (strict xfail until fixed)
 

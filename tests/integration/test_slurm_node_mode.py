@@ -1,0 +1,33 @@
+"""`gpuschedd --mode slurm-node` without a Slurm cluster: its own queue is closed with a clear
+message, and a Slurm that cannot be reached costs a log line, never the daemon (runs everywhere;
+tests/integration/test_slurm_cluster.py has the real cluster)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+from tests.conftest import DaemonProcess, wait_until
+
+
+def test_submit_is_refused_and_an_unreachable_slurm_is_logged_not_fatal(
+    daemon_process: Callable[..., DaemonProcess],
+) -> None:
+    gs = daemon_process("H100-80GB:1")
+    gs.extra_config = '[slurm]\nnode_name = "gpu07"\nscontrol = "/nonexistent/scontrol"\n'
+    gs.start("--mode", "slurm-node")
+    done = subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", gs.socket, "submit", "--gpus", "1",
+                           "--", "true"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "error: this node runs gpuschedd in slurm-node mode: Slurm owns the queue, gpusched only manages the GPUs",
+        "hint: submit with Slurm instead, e.g. `sbatch --gres=gpu:1g.10gb:1 job.sh`",
+    ]
+    wait_until(lambda: "Slurm node state not checked: '/nonexistent/scontrol' not found" in gs.log(), timeout=15,
+               what="the unreachable scontrol to be logged")
+    assert "slurm-node mode: Slurm owns the queue; node gpu07 follows gpusched's GPU health" in gs.log()
+    gpus = subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", gs.socket, "gpus"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert gpus.returncode == 0 and "H100" in gpus.stdout  # still serving
+    assert gs.terminate() == 0
