@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpusched.protocol import GpusRequest, GpusResult, MigApplyRequest, MigApplyResult
 from gpusched_cli.client import Client, resolve_socket
 
 if TYPE_CHECKING:
@@ -90,6 +89,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     Records are grouped by type in the order Slurm numbers them. With --sim the device files are
     created with mknod under OUT/dev (root only): Slurm refuses plain files.
     """
+    from gpusched.protocol import GpusRequest, GpusResult
     from gpusched.slurm import export, gresconf
 
     with _client(ctx) as client:
@@ -127,6 +127,7 @@ def _auto_layout(client: Client, node: str, out: str, scontrol: Scontrol, squeue
     import subprocess
     from pathlib import Path
 
+    from gpusched.protocol import GpusRequest, GpusResult
     from gpusched.slurm import autolayout, gresconf
 
     result = client.call(GpusRequest(), GpusResult)
@@ -212,7 +213,7 @@ def slurm_relayout(ctx: click.Context, node: str, layout: str | None, auto: bool
     or still asked for, and makes room for the rest; with nothing pending that a layout would help,
     nothing is done (exit 0).
     """
-    from gpusched.protocol import ProtocolError
+    from gpusched.protocol import GpusRequest, GpusResult, MigApplyRequest, MigApplyResult, ProtocolError
     from gpusched.slurm import export, gresconf, relayout
     from gpusched.slurm.scontrol import Scontrol, SlurmError
 
