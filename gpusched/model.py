@@ -227,6 +227,8 @@ class Job(BaseModel):
     allocation: Allocation | None = None
     pid: int | None = None
     history: list[Transition] = Field(default_factory=list)
+    array_id: int | None = None  # the job array this job is a task of (`show ARRAY_TASK`)
+    array_task: int | None = None  # its index in that array (GPUSCHED_ARRAY_TASK_ID)
 
     @property
     def display_name(self) -> str:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import click
 from pydantic import BaseModel, ValidationError
 
+from gpusched.arrayspec import ArraySpecError, parse_array_spec, parse_job_ref
 from gpusched.model import (
     Dependency,
     Job,
@@ -64,13 +65,13 @@ from gpusched.protocol import (
     StatsRequest,
     StatsResult,
     SubmitRequest,
-    SubmitResult,
     SuspendRequest,
+    TaskRef,
     WaitRequest,
     WaitResult,
     describe_validation_error,
 )
-from gpusched_cli import render
+from gpusched_cli import render, resubmit
 from gpusched_cli.client import Client, DaemonUnavailable, resolve_socket
 from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_export, parse_size_mib
 
@@ -271,6 +272,22 @@ def _fraction_flag(ctx: click.Context, param: click.Parameter, value: str | None
     return fraction
 
 
+def _array_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return None if value is None else parse_array_spec(value).text
+    except ArraySpecError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def _job_refs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...] | str) -> Any:
+    """ID or ARRAY_TASK (`123_7`) -> (id, task or None); one or many, as the argument takes."""
+    try:
+        refs = [parse_job_ref(text) for text in ((value,) if isinstance(value, str) else value)]
+    except ArraySpecError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return refs[0] if isinstance(value, str) else refs
+
+
 _MIG_PROFILE = re.compile(r"^[0-9]+g\.[0-9]+gb(\+me)?$")
 
 
@@ -329,6 +346,8 @@ def build_request(
 @click.option("--cpus", type=click.IntRange(1, 4096), help="host CPU cores for the job")
 @click.option("--mem", "mem", metavar="SIZE", callback=_size_flag, help="host memory limit: 32G, 512M, ...")
 @click.option("--hold", is_flag=True, help="submit held: the job starts only after `gpusched release`")
+@click.option("--array", "array", metavar="A-B[:STEP][,...][%MAX]", callback=_array_flag,
+              help="a job array as sbatch: one task per index (GPUSCHED_ARRAY_TASK_ID), at most MAX running at once")
 @click.option("--export", "export", default="ALL", show_default=True, metavar="ALL|NONE|VAR[=VAL],...",
               help="the job's environment, as sbatch: all of yours, none, or only the listed variables")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32", "tf32"]),
@@ -352,6 +371,7 @@ def submit(
     cpus: int | None,
     mem: int | None,
     hold: bool,
+    array: str | None,
     export: str,
     precision: str | None,
     wait: bool,
@@ -365,7 +385,10 @@ def submit(
       gpusched submit --gpus 2 --time 4:00:00 -- python train.py --lr 3e-4
       gpusched submit --mig 3g.40gb --name eval -- ./eval.sh
       gpusched submit --share 0.25 --gpu-mem 10G --wait -- python infer.py
+      gpusched submit --gpus 1 --array 0-99%8 -- python sweep.py   # task i reads $GPUSCHED_ARRAY_TASK_ID
     """
+    if array is not None and wait:
+        raise click.UsageError("--wait waits for one job; with --array, wait with `gpusched queue` or `show ID`")
     request = build_request(gpus, mig, share, gpu_mem)
     try:
         env = parse_export(export, os.environ)
@@ -391,10 +414,14 @@ def submit(
         raise click.UsageError(describe_validation_error(exc)) from None
 
     with _client(ctx) as client:
-        submitted = client.call(SubmitRequest(spec=spec, hold=hold), SubmitResult)
+        submitted = resubmit.submit(client, SubmitRequest(spec=spec, hold=hold, array=array,
+                                                          request_id=resubmit.new_request_id()))
         try:  # from here on Ctrl-C only stops the waiting: say so, and which job lives on
             if as_json:
-                _print_json({"job_id": submitted.job_id, "state": submitted.state.value}, compact=True)
+                _print_json({"job_id": submitted.job_id, "state": submitted.state.value}
+                            | ({"tasks": submitted.tasks} if submitted.tasks is not None else {}), compact=True)
+            elif submitted.tasks is not None:
+                _echo(f"Submitted array job {submitted.job_id} ({submitted.tasks} tasks: {submitted.job_id}_[{array}])")
             else:
                 _echo(f"Submitted job {submitted.job_id}")
             if not wait:
@@ -438,33 +465,39 @@ def _wait_for(client: Client, job_id: int) -> Job:
               help="fairness: pending jobs in the order the scheduler would start them")
 @click.option("--limit", type=click.IntRange(1, 3000), default=1000, show_default=True,
               help="at most this many rows")
-@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N} (see docs/cli.md)')
+@click.option("--array-tasks", "array_tasks", is_flag=True,
+              help="one row per array task (ARRAY_TASK) instead of one row per array")
+@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N, "arrays": [...]} '
+              "(see docs/cli.md)")
 @click.pass_context
-def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, as_json: bool) -> None:
-    """List pending and running jobs (with --all, finished ones too)."""
+def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, array_tasks: bool,
+          as_json: bool) -> None:
+    """List pending and running jobs (with --all, finished ones too); an array is one row."""
     labels: dict[str, str] = {}
     with _client(ctx) as client:
-        request = QueueRequest(all=show_all, user=user, order=order, limit=limit)  # type: ignore[arg-type]
+        request = QueueRequest(all=show_all, user=user, order=order, limit=limit,  # type: ignore[arg-type]
+                               array_tasks=array_tasks)
         result = client.call(request, QueueResult)
         if not as_json and any(job.devices for job in result.jobs):
             labels = render.device_labels(client.call(GpusRequest(), GpusResult))
     if as_json:
         _print_json(result)
     else:
-        _echo(render.queue_table(result.jobs, time.time(), labels))
+        _echo(render.queue_table(result.jobs, time.time(), labels, result.arrays))
         if result.total > len(result.jobs):
             _echo(f"... {result.total - len(result.jobs)} more not shown (narrow with --user, or --limit up "
                        "to 3000)")
 
 
 @cli.command()
-@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@click.argument("ref", callback=_job_refs, metavar="ID|ARRAY_TASK")
 @click.option("--json", "as_json", is_flag=True, help="print the daemon's ShowResult (see docs/cli.md)")
 @click.pass_context
-def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
-    """Everything about one job: spec, state history, allocation, exit status, log path."""
+def show(ctx: click.Context, ref: tuple[int, int | None], as_json: bool) -> None:
+    """Everything about one job (or array task, 123_7): spec, state history, allocation, exit status, log path.
+    An array's id shows the array's counts and its first unfinished task."""
     with _client(ctx) as client:
-        result = client.call(ShowRequest(job_id=job_id), ShowResult)
+        result = client.call(ShowRequest(job_id=ref[0], task=ref[1]), ShowResult)
     if as_json:
         _print_json(result)
     else:
@@ -472,17 +505,18 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@click.argument("ref", callback=_job_refs, metavar="ID|ARRAY_TASK")
 @click.option("-f", "--follow", is_flag=True, help="keep printing new output until the job ends")
 @click.pass_context
-def logs(ctx: click.Context, job_id: int, follow: bool) -> None:
-    """Print a job's combined stdout and stderr, verbatim."""
+def logs(ctx: click.Context, ref: tuple[int, int | None], follow: bool) -> None:
+    """Print a job's (or array task's, 123_7) combined stdout and stderr, verbatim."""
+    job_id, task = ref
     offset = 0
     try:
         with _client(ctx) as client:
             while True:
                 chunk = client.call(
-                    LogsRequest(job_id=job_id, offset=offset, wait_s=10.0 if follow else 0.0), LogsResult
+                    LogsRequest(job_id=job_id, task=task, offset=offset, wait_s=10.0 if follow else 0.0), LogsResult
                 )
                 if chunk.data:
                     _write_verbatim(chunk.data)
@@ -495,12 +529,15 @@ def logs(ctx: click.Context, job_id: int, follow: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID [ID]...")
+@click.argument("refs", nargs=-1, required=True, callback=_job_refs, metavar="ID|ARRAY_TASK...")
 @click.pass_context
-def cancel(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Cancel jobs: pending ones leave the queue, running ones are stopped."""
+def cancel(ctx: click.Context, refs: list[tuple[int, int | None]]) -> None:
+    """Cancel jobs: pending ones leave the queue, running ones are stopped. An array's id cancels
+    all its tasks; ARRAY_TASK (123_7) one of them."""
+    request = CancelRequest(job_ids=[i for i, t in refs if t is None],
+                            tasks=[TaskRef(array_id=i, task=t) for i, t in refs if t is not None])
     with _client(ctx) as client:
-        result = client.call(CancelRequest(job_ids=list(job_ids)), CancelResult)
+        result = client.call(request, CancelResult)
     _echo(render.cancel_text(result))
 
 

@@ -13,8 +13,10 @@ import signal
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, tzinfo
 
+from gpusched.arrayspec import compress
 from gpusched.model import TERMINAL_STATES, WAITING_STATES, Job, JobState, describe_request
 from gpusched.protocol import (
+    ArraySummary,
     CancelResult,
     DoctorResult,
     GpuInfo,
@@ -132,28 +134,56 @@ def device_labels(result: GpusResult) -> dict[str, str]:
     return labels
 
 
-def queue_table(jobs: Sequence[JobSummary], now: float, labels: Mapping[str, str] | None = None) -> str:
+def job_ref(job: JobSummary | Job) -> str:
+    """`123`, or `120_7` for task 7 of array 120: the form `show`, `logs` and `cancel` take back."""
+    return f"{job.array_id}_{job.array_task}" if job.array_id is not None else str(job.id)
+
+
+def array_ref(array: ArraySummary) -> str:
+    """`123_[1-10000%8]`, as squeue writes an array: its id and its --array spec."""
+    return f"{array.id}_[{array.spec}]"
+
+
+def array_states(array: ArraySummary) -> str:
+    """`RUNNING:8,PENDING:9990,COMPLETED:2`: active states first, then waiting, then finished."""
+    order = {s.value: i for i, s in enumerate((JobState.STARTING, JobState.RUNNING, JobState.SUSPENDED,
+                                               JobState.PREEMPTED, JobState.PENDING, JobState.HELD))}
+    states = sorted(array.states.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+    return ",".join(f"{state}:{count}" for state, count in states)
+
+
+def queue_table(jobs: Sequence[JobSummary], now: float, labels: Mapping[str, str] | None = None,
+                arrays: Sequence[ArraySummary] = ()) -> str:
     """The `gpusched queue` table; says so plainly when there is nothing to show.
 
     `labels` names devices (see `device_labels`); a device it does not know is shown as a short UUID.
+    Each array is one row (`123_[1-10000%8]`, its tasks counted by state), in id order with the jobs.
     """
-    if not jobs:
+    if not jobs and not arrays:
         return "No jobs."
     names = labels or {}
     rows = [
         (
-            str(j.id),
-            j.name,
-            j.user,
-            j.state.value,
-            j.request,
-            ",".join(names.get(d) or short_device(d) for d in j.devices) or "-",
-            format_duration(elapsed(j, now)),
-            j.reason or "-",
+            j.id,
+            (
+                job_ref(j),
+                j.name,
+                j.user,
+                j.state.value,
+                j.request,
+                ",".join(names.get(d) or short_device(d) for d in j.devices) or "-",
+                format_duration(elapsed(j, now)),
+                j.reason or "-",
+            ),
         )
         for j in jobs
     ]
-    return table(QUEUE_HEADERS, rows)
+    rows += [
+        (a.id, (array_ref(a), a.name, a.user, array_states(a), a.request, "-", format_duration(now - a.submitted_at),
+                f"pending {a.pending}" if a.pending else "-"))
+        for a in arrays
+    ]
+    return table(QUEUE_HEADERS, [row for _, row in sorted(rows, key=lambda r: r[0])])
 
 
 def _exit_text(job: Job) -> str:
@@ -222,8 +252,14 @@ def show_text(result: ShowResult, now: float, tz: tzinfo | None = None) -> str:
         fields.append(("pid", str(job.pid)))
     fields.append(("log", result.log_path or "-"))
 
+    array = result.array
+    if array is not None:
+        fields.insert(0, ("array", f"task {job.array_task} of array {array_ref(array)}: {array.tasks} tasks"
+                                   + (f", at most {array.max_running} at once" if array.max_running else "")
+                                   + f"; {array_states(array)}"))
     width = max(len(k) for k, _ in fields)
-    lines = [f"Job {job.id} ({printable(job.display_name, one_line=True)})  {job.state.value}"]
+    title = f"Job {job.id}" + (f" = {job_ref(job)}" if job.array_id is not None else "")
+    lines = [f"{title} ({printable(job.display_name, one_line=True)})  {job.state.value}"]
     lines += [f"  {k.ljust(width)}  {printable(v, one_line=True)}" for k, v in fields]
     if job.history:
         lines.append("History:")
@@ -290,7 +326,7 @@ def gpus_text(result: GpusResult) -> str:
 
 def cancel_text(result: CancelResult) -> str:
     """What `cancel` did, one line per kind, so a script can still grep for its job ids."""
-    lines = []
+    lines = [f"Array {a}: its unfinished tasks are cancelled" for a in result.arrays]
     if result.cancelled:
         lines.append("Cancelled job" + ("s " if len(result.cancelled) > 1 else " ") + _ids(result.cancelled))
     if result.already_finished:
@@ -313,6 +349,8 @@ def changed_text(done: str, result: JobsChanged) -> str:
 
 
 def _ids(ids: Sequence[int]) -> str:
+    if len(ids) > 50:  # a whole array: runs of ids (`124-10123`), not a line of 60 KB
+        return compress(sorted(ids)).replace(",", ", ")
     return ", ".join(str(i) for i in ids)
 
 

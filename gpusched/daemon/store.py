@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from gpusched.arrayspec import ArraySpec
 from gpusched.model import (
     TERMINAL_STATES,
     TRANSITIONS,
@@ -29,7 +30,7 @@ from gpusched.model import (
     display_name,
 )
 
-SCHEMA_VERSION = 2  # 2: jobs.display and jobs.request, so listings never parse a spec
+SCHEMA_VERSION = 3  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -49,9 +50,31 @@ CREATE TABLE IF NOT EXISTS jobs (
     allocation TEXT,
     pid INTEGER,
     display TEXT,
-    request TEXT
+    request TEXT,
+    array_id INTEGER,
+    array_task INTEGER
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+-- One row per job array; its tasks are rows of `jobs` (array_id, array_task) whose own spec is ''
+-- (they all share this one: 10,000 tasks must not store 10,000 copies of a 256 KiB environment).
+-- An array's id comes from the jobs' id sequence, so an id names a job or an array, never both.
+CREATE TABLE IF NOT EXISTS arrays (
+    id INTEGER PRIMARY KEY,
+    uid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    tasks TEXT NOT NULL,
+    task_count INTEGER NOT NULL,
+    max_running INTEGER,
+    submitted_at REAL NOT NULL
+);
+-- Client-chosen idempotency keys of submits (`request_id`): a retried submit finds its job here.
+CREATE TABLE IF NOT EXISTS submit_keys (
+    uid INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    job_id INTEGER NOT NULL,
+    PRIMARY KEY (uid, key)
+);
 CREATE TABLE IF NOT EXISTS transitions (
     job_id INTEGER NOT NULL REFERENCES jobs(id),
     seq INTEGER NOT NULL,
@@ -94,6 +117,21 @@ class SummaryRow(NamedTuple):
     devices: list[str]
     display: str
     request: str
+    array_id: int | None = None
+    array_task: int | None = None
+
+
+class ArrayRow(NamedTuple):
+    """A job array as stored: its spec text, size and %MAX, and whose it is."""
+
+    id: int
+    uid: int
+    user: str
+    spec: JobSpec
+    tasks: str
+    task_count: int
+    max_running: int | None
+    submitted_at: float
 
 
 # A stand-in for the spec where a reader asked for jobs without theirs (accounting needs times and
@@ -101,7 +139,9 @@ class SummaryRow(NamedTuple):
 NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
 
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
-                    "display, request")
+                    "display, request, array_id, array_task")
+# An array task's spec is its array's (jobs.spec is '' for tasks).
+_SPEC = "CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END"
 
 
 class StoreReader:
@@ -165,26 +205,32 @@ class StoreReader:
             SummaryRow(id=r[0], uid=r[1], user=r[2], state=JobState(r[3]), submitted_at=r[4], started_at=r[5],
                        ended_at=r[6], exit_code=r[7], reason=r[8],
                        devices=Allocation.model_validate_json(r[9]).uuids if r[9] else [], display=r[10] or "",
-                       request=r[11] or "")
+                       request=r[11] or "", array_id=r[12], array_task=r[13])
             for r in rows
         ]
         return out if after_id is not None else out[::-1]
 
     def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
         cur = self._db.execute(
-            f"SELECT id, uid, gid, user, {'spec' if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
-            f" exit_code, signal, reason, allocation, pid FROM jobs {where}",
+            f"SELECT id, uid, gid, user, {_SPEC if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
+            f" exit_code, signal, reason, allocation, pid, array_id, array_task FROM jobs {where}",
             args,
         )
         rows = cur.fetchall()
         histories = self._histories([r[0] for r in rows])
+        shared: dict[int, JobSpec] = {}  # the tasks of an array share one parsed spec, as they share its row
         for r in rows:
+            if not with_spec:
+                spec = NO_SPEC
+            elif r[14] is None:
+                spec = JobSpec.model_validate_json(r[4])
+            else:
+                spec = shared.get(r[14]) or shared.setdefault(r[14], JobSpec.model_validate_json(r[4]))
             yield Job(
-                id=r[0], uid=r[1], gid=r[2], user=r[3],
-                spec=JobSpec.model_validate_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
+                id=r[0], uid=r[1], gid=r[2], user=r[3], spec=spec, state=JobState(r[5]),
                 submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
                 allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
-                history=histories.get(r[0], []),
+                history=histories.get(r[0], []), array_id=r[14], array_task=r[15],
             )
 
     def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
@@ -208,6 +254,57 @@ class StoreReader:
         ).fetchall()
         return [Event(at=r[0], kind=r[1], message=r[2], gpu=r[3], device=r[4], job_id=r[5]) for r in reversed(rows)]
 
+    # ---- job arrays and submit keys -------------------------------------------------------------
+
+    def arrays(self, ids: Iterable[int] | None = None) -> dict[int, ArrayRow]:
+        """Arrays by id: the given ones, else those with an unfinished task (what the engine loads)."""
+        if ids is None:
+            terminal = [s.value for s in TERMINAL_STATES]
+            rows = self._db.execute(
+                "SELECT id, uid, user, spec, tasks, task_count, max_running, submitted_at FROM arrays WHERE id IN "
+                f"(SELECT DISTINCT array_id FROM jobs WHERE array_id IS NOT NULL AND state NOT IN "
+                f"({', '.join('?' for _ in terminal)}))", terminal).fetchall()
+        else:
+            wanted = list(dict.fromkeys(ids))
+            rows = []
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start : start + 500]
+                rows += self._db.execute(
+                    "SELECT id, uid, user, spec, tasks, task_count, max_running, submitted_at FROM arrays "
+                    f"WHERE id IN ({', '.join('?' for _ in chunk)})", chunk).fetchall()
+        return {r[0]: ArrayRow(id=r[0], uid=r[1], user=r[2], spec=JobSpec.model_validate_json(r[3]), tasks=r[4],
+                               task_count=r[5], max_running=r[6], submitted_at=r[7]) for r in rows}
+
+    def array_counts(self, ids: Iterable[int]) -> dict[int, dict[str, int]]:
+        """Array id -> state -> how many of its tasks are in that state."""
+        out: dict[int, dict[str, int]] = {}
+        wanted = list(dict.fromkeys(ids))
+        for start in range(0, len(wanted), 500):
+            chunk = wanted[start : start + 500]
+            for array_id, state, count in self._db.execute(
+                f"SELECT array_id, state, COUNT(*) FROM jobs WHERE array_id IN ({', '.join('?' for _ in chunk)}) "
+                "GROUP BY array_id, state", chunk):
+                out.setdefault(array_id, {})[state] = count
+        return out
+
+    def task_job_id(self, array_id: int, task: int) -> int | None:
+        """The job id of task `task` of array `array_id`, if the array has that task."""
+        row = self._db.execute("SELECT id FROM jobs WHERE array_id = ? AND array_task = ?",
+                               (array_id, task)).fetchone()
+        return None if row is None else int(row[0])
+
+    def task_ids(self, array_id: int, *, unfinished: bool = False) -> list[int]:
+        """Job ids of an array's tasks in task order (only those not yet ended with `unfinished`)."""
+        terminal = [s.value for s in TERMINAL_STATES]
+        where = f" AND state NOT IN ({', '.join('?' for _ in terminal)})" if unfinished else ""
+        return [r[0] for r in self._db.execute(f"SELECT id FROM jobs WHERE array_id = ?{where} ORDER BY array_task",
+                                               (array_id, *(terminal if unfinished else ())))]
+
+    def submit_key(self, uid: int, key: str) -> int | None:
+        """The job (or array) id a submit with this request_id created, if one did (and is still kept)."""
+        row = self._db.execute("SELECT job_id FROM submit_keys WHERE uid = ? AND key = ?", (uid, key)).fetchone()
+        return None if row is None else int(row[0])
+
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
@@ -219,6 +316,7 @@ class Store(StoreReader):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         self.path = path
+        self._batching = False
         super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
         os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -238,11 +336,15 @@ class Store(StoreReader):
                                 (name,)).fetchone() is not None
 
     def _upgrade(self) -> None:
-        """Schema 1 -> 2: add the listing columns and fill them in from the specs (once)."""
+        """Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
+        Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in _SCHEMA."""
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        for column in ("display", "request"):
+        for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
+                             ("array_task", "INTEGER")):
             if column not in columns:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) "
+                         "WHERE array_id IS NOT NULL")
         while True:
             rows = self._db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall()
             if not rows:
@@ -255,6 +357,18 @@ class Store(StoreReader):
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One change, all or nothing: its own transaction, or inside `batch()` a savepoint (so a change
+        that fails undoes only itself, and the batch's other changes still commit)."""
+        if self._batching:
+            self._db.execute("SAVEPOINT change")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK TO change")
+                self._db.execute("RELEASE change")
+                raise
+            self._db.execute("RELEASE change")
+            return
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield self._db
@@ -263,27 +377,86 @@ class Store(StoreReader):
             raise
         self._db.execute("COMMIT")
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many changes, one COMMIT (one fsync): group commit, and cancelling a whole array.
+
+        Every change made inside is committed when the block ends, even when a later one raised:
+        each change is applied in memory only after its own write succeeded, so committing exactly
+        the successful ones keeps the store and the engine's mirror equal. Nested batches join the
+        outer one. Nothing written inside is durable before the block has ended.
+        """
+        if self._batching:
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
     # ---- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted") -> Job:
-        """Insert a PENDING job and its first transition in one transaction; returns the stored job."""
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted",
+               hold: bool = False, request_id: str | None = None) -> Job:
+        """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
+        history = _first_history(now, reason, hold)
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, spec.model_dump_json(), JobState.PENDING.value, now, reason, display_name(spec),
-                 describe_request(spec.request)),
+                (uid, gid, user, spec.model_dump_json(), history[-1].state.value, now, history[-1].reason,
+                 display_name(spec), describe_request(spec.request)),
             )
             job_id = cur.lastrowid
             assert job_id is not None
-            db.execute(
-                "INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, 0, ?, ?, ?)",
-                (job_id, JobState.PENDING.value, now, reason),
-            )
+            db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
+                           [(job_id, seq, t.state.value, t.at, t.reason) for seq, t in enumerate(history)])
+            if request_id is not None:
+                db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
         return Job(
-            id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=JobState.PENDING, submitted_at=now,
-            reason=reason, history=[Transition(state=JobState.PENDING, at=now, reason=reason)],
+            id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=history[-1].state, submitted_at=now,
+            reason=history[-1].reason, history=history,
         )
+
+    def submit_array(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, array: ArraySpec,
+                     hold: bool = False, request_id: str | None = None) -> tuple[int, list[Job]]:
+        """Insert a job array and all its tasks in one change; returns (array id, tasks in task order).
+
+        The array takes the next id of the jobs' sequence and its tasks the ids after it, so `123`
+        names the array and each task also has a plain job id of its own.
+        """
+        history = _first_history(now, "submitted", hold)
+        state, reason = history[-1].state, history[-1].reason
+        display, request = display_name(spec), describe_request(spec.request)
+        with self._tx() as db:
+            row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
+            array_id = (int(row[0]) if row is not None else 0) + 1
+            ids = range(array_id + 1, array_id + 1 + array.count)
+            db.execute("INSERT INTO arrays (id, uid, user, spec, tasks, task_count, max_running, submitted_at)"
+                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (array_id, uid, user, spec.model_dump_json(), array.text, array.count, array.max_running, now))
+            db.executemany(
+                "INSERT INTO jobs (id, uid, gid, user, spec, state, submitted_at, reason, display, request, array_id,"
+                " array_task) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, uid, gid, user, state.value, now, reason, display, request, array_id, task)
+                 for job_id, task in zip(ids, array.tasks, strict=True)])
+            db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
+                           [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids
+                            for seq, t in enumerate(history)])
+            if request_id is not None:
+                db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, array_id))
+        tasks = [Job(id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=state, submitted_at=now, reason=reason,
+                     history=list(history), array_id=array_id, array_task=task)
+                 for job_id, task in zip(ids, array.tasks, strict=True)]
+        return array_id, tasks
 
     def transition(self, job: Job, new: JobState, *, now: float, reason: str, **fields: Any) -> Job:
         """Commit `job -> new` with its reason, plus column updates; returns the updated job."""
@@ -342,9 +515,16 @@ class Store(StoreReader):
             return []
         id_marks = ", ".join("?" for _ in ids)
         with self._tx() as db:
+            arrays = [r[0] for r in db.execute(
+                f"SELECT DISTINCT array_id FROM jobs WHERE id IN ({id_marks}) AND array_id IS NOT NULL", ids)]
             db.execute(f"DELETE FROM transitions WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM events WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM jobs WHERE id IN ({id_marks})", ids)
+            db.execute(f"DELETE FROM submit_keys WHERE job_id IN ({id_marks})", ids)
+            for array_id in arrays:  # an array goes with its last task (and its submit key with it)
+                if db.execute("SELECT 1 FROM jobs WHERE array_id = ? LIMIT 1", (array_id,)).fetchone() is None:
+                    db.execute("DELETE FROM arrays WHERE id = ?", (array_id,))
+                    db.execute("DELETE FROM submit_keys WHERE job_id = ?", (array_id,))
         return ids
 
     # ---- device and job events -------------------------------------------------------------------
@@ -362,6 +542,14 @@ class Store(StoreReader):
         with self._tx() as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
                        (key, value, value))
+
+
+def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:
+    """A new job's history: PENDING, then HELD at once for `submit --hold` (one change, one commit)."""
+    history = [Transition(state=JobState.PENDING, at=now, reason=reason)]
+    if hold:
+        history.append(Transition(state=JobState.HELD, at=now, reason="held at submission"))
+    return history
 
 
 def _encode(value: Any) -> Any:
