@@ -62,9 +62,11 @@ def parse_array_spec(text: str, max_tasks: int = HARD_MAX_TASKS) -> ArraySpec:
     ranges: list[range] = []
     total = 0
     for part in body.split(","):
+        if not part:
+            raise ArraySpecError("has an empty part (two commas in a row, or a comma at an end)")
         found = _PART.match(part) if part.isascii() else None
         if found is None:
-            raise ArraySpecError(f"{part or '(empty)'!r} is not an index or a range; write N, A-B or A-B:STEP "
+            raise ArraySpecError(f"{part!r} is not an index or a range; write N, A-B or A-B:STEP "
                                  "(e.g. 1-100:2)")
         first = int(found.group(1))
         last = int(found.group(2)) if found.group(2) is not None else first

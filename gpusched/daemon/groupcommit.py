@@ -63,6 +63,8 @@ class GroupCommit:
 
     async def _flush_soon(self) -> None:
         while self._queue:
+            while self.store.batching:  # never inside another batch: its COMMIT would come after our answers
+                await asyncio.sleep(0)
             seen = -1
             for _ in range(self.max_yields):  # wait while each loop turn brings more writes
                 if len(self._queue) == seen or len(self._queue) >= self.max_batch:
@@ -83,12 +85,14 @@ class GroupCommit:
                         failed.append((work, asyncio.CancelledError()))
                         continue
                     try:
-                        done.append((work, work.apply()))
+                        with self.store.savepoint():
+                            done.append((work, work.apply()))
                     except Exception as exc:  # this write's own savepoint was rolled back
                         failed.append((work, exc))
-        except Exception as exc:  # the COMMIT failed: none of the batch is durable
-            log.error("group commit of %d write(s) failed: %s", len(done), exc)
-            failed += [(work, exc) for work, _ in done]
+        except Exception as exc:  # BEGIN or COMMIT failed: none of the batch is durable
+            log.error("group commit of %d write(s) failed: %s", len(batch), exc)
+            settled = {id(work) for work, _ in failed}
+            failed += [(work, exc) for work in batch if id(work) not in settled]
             done = []
         self.commits += 1
         self.writes += len(done)

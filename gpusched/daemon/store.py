@@ -378,6 +378,17 @@ class Store(StoreReader):
         self._db.execute("COMMIT")
 
     @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """Inside `batch()`: several changes that stand or fall together (a group commit's one write)."""
+        assert self._batching, "a savepoint belongs in a batch"
+        with self._tx():
+            yield
+
+    @property
+    def batching(self) -> bool:
+        return self._batching
+
+    @contextmanager
     def batch(self) -> Iterator[None]:
         """Many changes, one COMMIT (one fsync): group commit, and cancelling a whole array.
 
