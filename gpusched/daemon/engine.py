@@ -95,6 +95,7 @@ class Engine:
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
+        self._notify_pending = False
         self._stops: dict[int, StopRequest] = {}
         # Final states of ended jobs that pending jobs depend on, looked up in the store once each;
         # only --after targets are cached, so it cannot grow with the number of jobs ever run.
@@ -951,9 +952,12 @@ class Engine:
             log.warning("cannot write job mapping files in %s: %s", self.config.job_mapping_dir, exc)
 
     def _notify(self) -> None:
-        self._spawn(self._notify_all())
+        if not self._notify_pending:  # one wake-up of the watchers covers every change made before it runs
+            self._notify_pending = True
+            self._spawn(self._notify_all())
 
     async def _notify_all(self) -> None:
+        self._notify_pending = False
         async with self._changed:
             self._changed.notify_all()
 

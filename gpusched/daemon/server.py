@@ -262,9 +262,10 @@ class Server:
             frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
                                        "ask for less (e.g. `queue --user`, a smaller --limit)"))
         writer.write(frame)
-        # A client that stops reading must not hold the reply (and its connection) for ever.
-        async with asyncio.timeout(self.read_timeout_s):
-            await writer.drain()
+        if writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
+            # A client that stops reading must not hold the reply (and its connection) for ever.
+            async with asyncio.timeout(self.read_timeout_s):
+                await writer.drain()
 
 
 def _name(uid: int) -> str:

@@ -317,6 +317,7 @@ class Store(StoreReader):
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         self.path = path
         self._batching = False
+        self._savepoints = 0
         super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
         os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -359,14 +360,20 @@ class Store(StoreReader):
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One change, all or nothing: its own transaction, or inside `batch()` a savepoint (so a change
         that fails undoes only itself, and the batch's other changes still commit)."""
+        if self._savepoints:  # already inside one: it undoes this change too if it fails (two fewer statements)
+            yield self._db
+            return
         if self._batching:
             self._db.execute("SAVEPOINT change")
+            self._savepoints += 1
             try:
                 yield self._db
             except BaseException:
                 self._db.execute("ROLLBACK TO change")
                 self._db.execute("RELEASE change")
                 raise
+            finally:
+                self._savepoints -= 1
             self._db.execute("RELEASE change")
             return
         self._db.execute("BEGIN IMMEDIATE")
@@ -428,8 +435,9 @@ class Store(StoreReader):
             )
             job_id = cur.lastrowid
             assert job_id is not None
-            db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
-                           [(job_id, seq, t.state.value, t.at, t.reason) for seq, t in enumerate(history)])
+            for seq, t in enumerate(history):
+                db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
+                           (job_id, seq, t.state.value, t.at, t.reason))
             if request_id is not None:
                 db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
         return Job(
