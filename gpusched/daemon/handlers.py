@@ -17,11 +17,12 @@ from gpusched.arrayspec import compress
 from gpusched.config import ConfigError
 from gpusched.core.accounting import UserStats, device_busy_fraction, fairness_index, user_stats
 from gpusched.core.scheduler import Scheduler
+from gpusched.daemon.arraystore import ArrayRow
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.launch import gpu_memory_by_job
-from gpusched.daemon.store import ArrayRow, StoreReader, SummaryRow
+from gpusched.daemon.store import StoreReader, SummaryRow
 from gpusched.gpu.backend import GpuError
 from gpusched.model import (
     ACTIVE_STATES,
