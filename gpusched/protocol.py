@@ -55,6 +55,12 @@ class ProtocolError(Exception):
 TaskIndex = Annotated[int, Field(ge=0, le=MAX_TASK_INDEX)]
 
 
+def _unset(value: object) -> bool:
+    """Fields added in protocol 1.1 are left out of a message while they hold their default, so a 1.0
+    peer (whose models refuse unknown members) still understands everything that does not use them."""
+    return value is None or value is False or value == []
+
+
 class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -70,12 +76,12 @@ class SubmitRequest(_Req):
     spec: JobSpec
     hold: bool = Field(default=False, description="submit in HELD state (start only after release)")
     array: str | None = Field(
-        default=None, max_length=MAX_SPEC_CHARS,
+        default=None, max_length=MAX_SPEC_CHARS, exclude_if=_unset,
         description="a job array as sbatch's --array: A-B[:STEP] or a comma list of those, optionally %MAX "
         "(at most MAX tasks run at once); one task per index, each with GPUSCHED_ARRAY_TASK_ID set",
     )
     request_id: str | None = Field(
-        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", exclude_if=_unset,
         description="client-chosen idempotency key (e.g. a random UUID): a submit that repeats a request_id "
         "of the same user returns the job (or array) the first one created, with duplicate = true, and creates "
         "nothing; so a client whose connection broke before the answer may safely send the submit again",
@@ -96,8 +102,9 @@ class QueueRequest(_Req):
     op: Literal["queue"] = "queue"
     all: bool = Field(default=False, description="include finished jobs")
     user: str | None = Field(default=None, description="only this user's jobs")
-    array_tasks: bool = Field(default=False, description="list each task of a job array as its own row "
-                              "(default: one row per array in `arrays`, its tasks left out of `jobs`)")
+    array_tasks: bool = Field(default=False, exclude_if=_unset,
+                              description="list each task of a job array as its own row (default: one row per array "
+                              "in `arrays`, its tasks left out of `jobs`)")
     limit: int = Field(default=1000, ge=1, le=3000, description="at most this many rows (a reply must fit in "
                        "one frame); with --all the newest finished jobs fill what pending and active jobs leave")
     after_id: int | None = Field(
@@ -114,7 +121,8 @@ class QueueRequest(_Req):
 class ShowRequest(_Req):
     op: Literal["show"] = "show"
     job_id: JobId = Field(description="a job, or an array (its tasks are listed)")
-    task: TaskIndex | None = Field(default=None, description="task index: job_id names the array (`show 123_7`)")
+    task: TaskIndex | None = Field(default=None, exclude_if=_unset,
+                                   description="task index: job_id names the array (`show 123_7`)")
 
 
 class TaskRef(_Req):
@@ -128,7 +136,8 @@ class CancelRequest(_Req):
     op: Literal["cancel"] = "cancel"
     job_ids: list[JobId] = Field(default_factory=list, max_length=10_000,
                                  description="jobs; an array's id cancels every task of the array")
-    tasks: list[TaskRef] = Field(default_factory=list, max_length=10_000, description="single array tasks")
+    tasks: list[TaskRef] = Field(default_factory=list, max_length=10_000, exclude_if=_unset,
+                                 description="single array tasks")
 
     @model_validator(mode="after")
     def _something(self) -> CancelRequest:
@@ -140,7 +149,8 @@ class CancelRequest(_Req):
 class LogsRequest(_Req):
     op: Literal["logs"] = "logs"
     job_id: JobId
-    task: TaskIndex | None = Field(default=None, description="task index: job_id names the array (`logs 123_7`)")
+    task: TaskIndex | None = Field(default=None, exclude_if=_unset,
+                                   description="task index: job_id names the array (`logs 123_7`)")
     offset: int = Field(default=0, ge=0, le=2**62, description="byte offset to read from")
     max_bytes: int = Field(default=256 * 1024, ge=1, le=512 * 1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=30.0, description="long-poll for new output")
@@ -304,9 +314,10 @@ class HelloResult(_Res):
 class SubmitResult(_Res):
     job_id: int = Field(description="the job's id; for an array, the array's id (its tasks are ARRAY_TASK)")
     state: JobState
-    tasks: int | None = Field(default=None, description="an array: how many tasks it has")
-    duplicate: bool = Field(default=False, description="request_id was seen before: this is the job (or array) "
-                            "that request created, and nothing new was created")
+    tasks: int | None = Field(default=None, exclude_if=_unset, description="an array: how many tasks it has")
+    duplicate: bool = Field(default=False, exclude_if=_unset,
+                            description="request_id was seen before: this is the job (or array) that request created, "
+                            "and nothing new was created")
 
 
 class JobSummary(_Res):
@@ -324,8 +335,8 @@ class JobSummary(_Res):
     exit_code: int | None
     devices: list[str]
     reason: str
-    array_id: int | None = Field(default=None, description="the job array this job is a task of")
-    array_task: int | None = Field(default=None, description="its task index in that array")
+    array_id: int | None = Field(default=None, exclude_if=_unset, description="the job array this job is a task of")
+    array_task: int | None = Field(default=None, exclude_if=_unset, description="its task index in that array")
 
 
 class ArraySummary(_Res):
@@ -348,8 +359,9 @@ class ArraySummary(_Res):
 class QueueResult(_Res):
     jobs: list[JobSummary]
     total: int = Field(default=0, description="rows that matched; more than len(jobs) when limited")
-    arrays: list[ArraySummary] = Field(default_factory=list, description="job arrays, one row each (their tasks "
-                                       "are not in `jobs` unless array_tasks was asked for)")
+    arrays: list[ArraySummary] = Field(default_factory=list, exclude_if=_unset,
+                                       description="job arrays, one row each (their tasks are not in `jobs` unless "
+                                       "array_tasks was asked for)")
 
 
 class RuntimeEstimate(_Res):
@@ -367,7 +379,7 @@ class RuntimeEstimate(_Res):
 
 class ShowResult(_Res):
     job: Job = Field(description="the job; for an array, its first unfinished task (else its last one)")
-    array: ArraySummary | None = Field(default=None, description="the array `job` is a task of")
+    array: ArraySummary | None = Field(default=None, exclude_if=_unset, description="the array `job` is a task of")
     waiting_reason: str | None = None
     log_path: str | None = None
     events: list[Event] = Field(default_factory=list, description="device events attributed to this job")
@@ -378,8 +390,9 @@ class ShowResult(_Res):
 class CancelResult(_Res):
     cancelled: list[int]
     already_finished: list[int] = Field(default_factory=list)
-    arrays: list[int] = Field(default_factory=list, description="arrays named by id: their unfinished tasks are in "
-                              "`cancelled` (or `already_finished`)")
+    arrays: list[int] = Field(default_factory=list, exclude_if=_unset,
+                              description="arrays named by id: their unfinished tasks are in `cancelled` (or "
+                              "`already_finished`)")
 
 
 class JobsChanged(_Res):

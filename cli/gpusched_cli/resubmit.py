@@ -26,6 +26,8 @@ def new_request_id() -> str:
 def submit(client: Client, request: SubmitRequest, retry_for_s: float = RETRY_FOR_S) -> SubmitResult:
     """`client.call(request)`, sent again (same request_id) on a fresh connection while the daemon is
     unreachable or restarting, for up to `retry_for_s`. `client` is reconnected in place."""
+    if client.hello is not None and client.hello.version == "1.0":  # request_id came with protocol 1.1
+        return client.call(request.model_copy(update={"request_id": None}), SubmitResult)  # sent once, never again
     assert request.request_id is not None, "only an idempotent submit may be sent twice"
     deadline = time.monotonic() + retry_for_s
     while True:
