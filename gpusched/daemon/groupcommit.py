@@ -10,8 +10,9 @@ The rules that make it safe:
 - nothing is acknowledged before the COMMIT that holds it returned: a write's caller resumes
   only after the batch committed (and learns of a failed COMMIT as an exception);
 - each write is its own savepoint, so one bad write fails alone, not its batch;
-- what a committed write means in memory (`Write.committed`) runs right after the COMMIT, on the
-  loop, whether or not its caller is still waiting: the engine's mirror never misses a stored job.
+- what a committed write means in memory (`Write.committed`) runs right after the COMMIT, in the
+  same step of the loop (so before any caller resumes), whether or not its caller is still
+  waiting: the engine's mirror never misses a stored job.
 """
 
 from __future__ import annotations
@@ -96,14 +97,16 @@ class GroupCommit:
             done = []
         self.commits += 1
         self.writes += len(done)
+        # Answers first, then the mirror: both happen before any caller resumes (this is one
+        # synchronous step of the loop), but the callers' wake-ups are queued ahead of what the
+        # mirror wakes (the engine's scheduling pass), so an answer never waits for a pass.
+        for work, result in done:
+            _settle(work.future, None, result)
         for work, result in done:
             try:
                 work.committed(result)
-            except Exception as problem:  # stored, but the mirror could not take it: the caller hears why
+            except Exception:  # durable all the same; the engine's next start loads it from the store
                 log.exception("applying a committed write failed")
-                _settle(work.future, problem)
-                continue
-            _settle(work.future, None, result)
         for work, why in failed:
             work.failed(why)
             _settle(work.future, why)
