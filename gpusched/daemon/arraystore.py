@@ -73,6 +73,12 @@ class ArrayReads:
                 out.setdefault(array_id, {})[state] = count
         return out
 
+    def newest_arrays(self, *, limit: int, user: str | None = None) -> list[int]:
+        """Ids of the newest `limit` arrays still kept (of one user, if given)."""
+        where, args = ("WHERE user = ?", (user,)) if user is not None else ("", ())
+        return [r[0] for r in self._db.execute(f"SELECT id FROM arrays {where} ORDER BY id DESC LIMIT ?",
+                                               (*args, limit))]
+
     def task_job_id(self, array_id: int, task: int) -> int | None:
         """The job id of task `task` of array `array_id`, if the array has that task."""
         row = self._db.execute("SELECT id FROM jobs WHERE array_id = ? AND array_task = ?",

@@ -150,11 +150,13 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
         stored = await _read(ctx, lambda r: r.summaries(limit=req.limit, after_id=req.after_id, user=req.user))
     elif req.all and len(live) < req.limit:
-        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True))
-    finished = {row.id: row for row in stored if row.id not in live
-                and not (compact and row.array_id is not None and row.array_id in array_tasks)}
-    ended_arrays = {row.array_id for row in finished.values() if compact and row.array_id is not None}
-    finished = {i: row for i, row in finished.items() if not (compact and row.array_id is not None)}
+        # Finished array tasks are counted in their array's row, so they must not take the rows left.
+        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True,
+                                                        tasks=not compact))
+    finished = {row.id: row for row in stored if row.id not in live}
+    ended_arrays: set[int] = set()
+    if compact and req.all:  # arrays whose tasks have all ended are listed too, the newest first
+        ended_arrays = set(await _read(ctx, lambda r: r.newest_arrays(limit=req.limit, user=req.user)))
     arrays = await _array_summaries(ctx, array_tasks, ended_arrays) if array_tasks or ended_arrays else []
     ordered = sorted([*live, *finished])
     order = getattr(ctx.engine.scheduler, "fairness_order", None)

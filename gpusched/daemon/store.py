@@ -171,10 +171,11 @@ class StoreReader(ArrayReads):
         return None if row is None else (row[0], row[1], JobState(row[2]))
 
     def summaries(self, *, limit: int, after_id: int | None = None, user: str | None = None,
-                  finished: bool = False) -> list[SummaryRow]:
+                  finished: bool = False, tasks: bool = True) -> list[SummaryRow]:
         """Listing rows in id order: the first `limit` above `after_id`, else the newest `limit`
-        (only ended jobs with `finished`). Specs are never read: the columns hold what a row shows."""
-        clauses: list[str] = []
+        (only ended jobs with `finished`; no array tasks without `tasks`). Specs are never read: the
+        columns hold what a row shows."""
+        clauses: list[str] = [] if tasks else ["array_id IS NULL"]
         args: list[Any] = []
         if after_id is not None:
             clauses.append("id > ?")

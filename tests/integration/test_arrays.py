@@ -197,3 +197,15 @@ def test_hold_at_submission_holds_every_task(node: DaemonHandle) -> None:
     assert made.tasks == 3 and made.state is JobState.HELD
     assert set(states(node).values()) == {JobState.HELD}
     assert os.path.exists(node.state_dir)
+
+
+def test_queue_all_lists_finished_arrays_without_crowding_out_other_jobs(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-5", "true")
+    wait_until(lambda: set(states(node).values()) == {JobState.COMPLETED}, timeout=30, what="the array completed")
+    plain = [json.loads(gs(node, "submit", "--json", "--gpus", "1", "--", "true").stdout)["job_id"] for _ in range(2)]
+    with node.client() as c:
+        wait_until(lambda: not c.call(QueueRequest(), QueueResult).jobs, timeout=30, what="the plain jobs ended")
+        listing = c.call(QueueRequest(all=True, limit=2), QueueResult)
+    assert [j.id for j in listing.jobs] == plain  # the array's 5 finished tasks do not take the 2 rows
+    [row] = listing.arrays
+    assert (row.id, row.states, row.pending) == (array_id, {"COMPLETED": 5}, "")
