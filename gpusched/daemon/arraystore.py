@@ -123,8 +123,10 @@ def insert_array(db: sqlite3.Connection, *, uid: int, gid: int, user: str, spec:
                    [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids for seq, t in enumerate(history)])
     if request_id is not None:
         db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, array_id))
-    # model_construct: validating 10,000 Jobs would validate their (shared, already valid) spec 10,000 times.
-    tasks = [Job.model_construct(id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=state, submitted_at=now,
-                                 reason=reason, history=list(history), array_id=array_id, array_task=task)
-             for job_id, task in zip(ids, array.tasks, strict=True)]
+    # Copies of one validated task: building 10,000 Jobs field by field (validated or not) costs ~9 us
+    # each, a copy ~2 us; they share the spec object, as they share its row.
+    first = Job(id=ids[0], uid=uid, gid=gid, user=user, spec=spec, state=state, submitted_at=now, reason=reason,
+                history=list(history), array_id=array_id, array_task=array.tasks[0])
+    tasks = [first] + [first.model_copy(update={"id": job_id, "array_task": task, "history": list(history)})
+                       for job_id, task in zip(ids[1:], array.tasks[1:], strict=True)]
     return array_id, tasks

@@ -110,6 +110,7 @@ class Engine:
         self.arrays = Arrays()  # job arrays with unfinished tasks: their environment and %MAX
         self.commits = GroupCommit(store)  # submits share COMMITs (daemon/groupcommit.py)
         self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
+        self._handing: set[int] = set()  # array tasks accepted but not yet handed to the scheduler
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.passes = 0
@@ -285,9 +286,24 @@ class Engine:
             if job.state is JobState.HELD:
                 if job.spec.after:
                     self._held_with_deps.add(job.id)
-            else:
+            elif array_id is None:
                 self._enqueue(job)
+        if array_id is not None and jobs[0].state is JobState.PENDING:
+            self._handing.update(j.id for j in jobs)
+            self._spawn(self._hand_over([j.id for j in jobs]))
         self._notify()
+        self.wake()
+
+    async def _hand_over(self, ids: list[int]) -> None:
+        """An array's tasks reach the scheduler 500 at a time, after the answer went out: 10,000
+        scheduler inserts in one go would hold the loop, and every other client, for ~0.2 s."""
+        for start in range(0, len(ids), 500):
+            await asyncio.sleep(0)
+            for job_id in ids[start : start + 500]:
+                job = self.jobs.get(job_id)
+                if job_id in self._handing and job is not None and job.state is JobState.PENDING:
+                    self._handing.discard(job_id)
+                    self._enqueue(job)
         self.wake()
 
     async def _known_request(self, uid: int, request_id: str) -> SubmitResult | None:
@@ -594,6 +610,7 @@ class Engine:
 
     def requeue_all(self) -> None:
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload)."""
+        self._handing.clear()  # array tasks not handed over yet go now, with the others
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
@@ -900,6 +917,7 @@ class Engine:
 
     def _set(self, job: Job, state: JobState, reason: str, **fields: object) -> Job:
         updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
+        self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
             observe = getattr(self.scheduler, "observe_end", None)

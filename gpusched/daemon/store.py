@@ -378,9 +378,7 @@ class Store(StoreReader):
                            (job_id, seq, t.state.value, t.at, t.reason))
             if request_id is not None:
                 db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
-        # model_construct: every field was validated on the way in, and validating a Job validates its
-        # spec again (argv, environment size): a tenth of a submit's CPU, or seconds for a big array.
-        return Job.model_construct(
+        return Job(
             id=job_id, uid=uid, gid=gid, user=user, spec=spec, state=history[-1].state, submitted_at=now,
             reason=history[-1].reason, history=history,
         )
