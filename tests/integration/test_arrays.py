@@ -209,3 +209,32 @@ def test_queue_all_lists_finished_arrays_without_crowding_out_other_jobs(node: D
     assert [j.id for j in listing.jobs] == plain  # the array's 5 finished tasks do not take the 2 rows
     [row] = listing.arrays
     assert (row.id, row.states, row.pending) == (array_id, {"COMPLETED": 5}, "")
+
+
+def test_tasks_changed_before_the_hand_over_reach_the_scheduler_once_and_as_they_are_now(
+    daemon: DaemonHandle,
+) -> None:
+    """The scheduler gets an array's tasks a chunk at a time after the answer; a task cancelled, or
+    held and released, in between must end up queued exactly as its state says."""
+    import asyncio
+
+    assert daemon.daemon is not None and daemon.loop is not None
+    engine = daemon.daemon.engine
+    spec = JobSpec(argv=["sleep", "60"], cwd="/tmp", request=WholeRequest(gpus=2))
+
+    async def scenario() -> tuple[list[int], set[int], int]:
+        await engine.submit(uid=0, gid=0, user="root", spec=spec)  # holds both GPUs: nothing else starts
+        made = await engine.submit(uid=0, gid=0, user="root", spec=spec, array="1-1200")
+        ids = engine.store.task_ids(made.job_id)
+        pending_handover = len(engine._handing)
+        assert await engine.cancel(engine.jobs[ids[0]], "cancelled")
+        assert engine.hold(engine.jobs[ids[700]], "held") is None
+        assert engine.release(engine.jobs[ids[700]], "released") is None
+        assert engine.hold(engine.jobs[ids[1100]], "held") is None
+        while engine._handing:
+            await asyncio.sleep(0)
+        return ids, engine.scheduler.queue.job_ids(), pending_handover
+
+    ids, queued, pending_handover = asyncio.run_coroutine_threadsafe(scenario(), daemon.loop).result(30)
+    assert pending_handover == 1200  # the answer came before any task reached the scheduler
+    assert queued == set(ids) - {ids[0], ids[1100]}
