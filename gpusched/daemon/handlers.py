@@ -91,6 +91,7 @@ from gpusched.protocol import (
 )
 
 MAX_REASON = 256  # characters of a job's reason in listings; `show` has the whole history
+CANCEL_CHUNK = 500  # jobs cancelled per COMMIT: a whole array must not hold the loop for its 10,000
 # A listing stops adding rows at this many bytes, so its reply always fits in one frame (and says how
 # many rows it left out) whatever the jobs' names and reasons hold.
 REPLY_BUDGET = MAX_FRAME - 64 * 1024
@@ -264,13 +265,16 @@ async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
     for ref in refs:
         _require_owner(ctx, ref, "cancel")
     cancelled, finished = [], []
-    with ctx.engine.store.batch():  # one COMMIT for all (10,000 tasks of an array)
-        for ref in refs:
-            by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
-            if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
-                cancelled.append(ref.id)
-            else:
-                finished.append(ref.id)
+    for start in range(0, len(refs), CANCEL_CHUNK):
+        if start:
+            await asyncio.sleep(0)  # between chunks the loop serves everyone else
+        with ctx.engine.store.batch():  # one COMMIT per chunk, not one per job (an array has 10,000)
+            for ref in refs[start : start + CANCEL_CHUNK]:
+                by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
+                if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
+                    cancelled.append(ref.id)
+                else:
+                    finished.append(ref.id)
     return CancelResult(cancelled=sorted(cancelled), already_finished=sorted(finished), arrays=arrays)
 
 
