@@ -5,7 +5,11 @@ submit: `gpusched submit`, `tsp CMD`, `sbatch --wrap CMD`. We measure
   - submit throughput: submit processes per second from 1 and 16 concurrent submitters, while a
     blocker job holds the whole node so nothing else runs;
   - submit->start latency on an idle node: from just before the submit process is spawned until the
-    job itself writes `date +%s.%N` into a file (the same job on every system).
+    job itself writes `date +%s.%N` into a file (the same job on every system);
+  - one job array of 10,000 `true` tasks (`gpusched submit --array 1-10000`, `sbatch --array=1-10000`):
+    the submit process's wall time, i.e. until the system has accepted every task (task-spooler has
+    no arrays). gpusched's answer comes after the array is committed (fsync); Slurm's controller
+    writes its state files in the background, so its answer is not durable yet.
 Ratios are printed against gpusched. A peer that is not installed or will not start is skipped with
 the reason, and the script still exits 0. Everything it starts is stopped at the end.
 
@@ -46,10 +50,11 @@ class Sizes:
     submits: int  # per throughput phase
     latency_samples: int
     concurrency: tuple[int, ...]
+    array_tasks: int = 10000  # one `--array 1-N` submit, timed as a whole process
 
 
 FULL = Sizes(submits=160, latency_samples=20, concurrency=(1, 16))
-QUICK = Sizes(submits=8, latency_samples=2, concurrency=(1, 4))
+QUICK = Sizes(submits=8, latency_samples=2, concurrency=(1, 4), array_tasks=100)
 
 
 def run(argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 30.0,
@@ -92,6 +97,10 @@ class Peer:
         """Occupy the whole node so later jobs stay queued."""
         raise NotImplementedError
 
+    def array_argv(self, tasks: int) -> list[str] | None:
+        """One submit of a job array of `tasks` tasks running `true`; None when the system has no arrays."""
+        return None
+
     def stop(self) -> None:
         raise NotImplementedError
 
@@ -109,6 +118,12 @@ class Gpusched(Peer):
         assert self.daemon is not None
         gpusched = os.path.join(os.path.dirname(sys.executable), "gpusched")
         return [gpusched, "--socket", self.daemon.socket, "submit", "--gpus", "1", "--", "sh", "-c", command]
+
+    def array_argv(self, tasks: int) -> list[str] | None:
+        assert self.daemon is not None
+        gpusched = os.path.join(os.path.dirname(sys.executable), "gpusched")
+        return [gpusched, "--socket", self.daemon.socket, "submit", "--gpus", "1", "--array", f"1-{tasks}", "--",
+                "true"]
 
     def block(self) -> None:
         assert self.daemon is not None
@@ -188,6 +203,7 @@ MpiDefault=none
 SwitchType=switch/none
 ReturnToService=2
 MaxJobCount=100000
+MaxArraySize=100001
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=bench Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
@@ -268,6 +284,10 @@ class Slurm(Peer):
     def submit_argv(self, command: str) -> list[str]:
         return ["sbatch", "-Q", "-o", "/dev/null", "-D", os.path.join(self.base, "work"), "--wrap", command]
 
+    def array_argv(self, tasks: int) -> list[str] | None:
+        return ["sbatch", "-Q", "-o", "/dev/null", "-D", os.path.join(self.base, "work"), f"--array=1-{tasks}",
+                "--wrap", "true"]
+
     def block(self) -> None:
         run(["sbatch", "-Q", "--exclusive", "-o", "/dev/null", "-D", os.path.join(self.base, "work"),
              "--wrap", "sleep 3600"], self.env)
@@ -309,6 +329,7 @@ class Result:
     rates: dict[int, float] = field(default_factory=dict)  # concurrent submitters -> submits/s
     latency: list[float] = field(default_factory=list)  # submit spawned -> job wrote its stamp
     submit_proc: list[float] = field(default_factory=list)  # the submit process's own wall time
+    array_s: float | None = None  # one array submit of Sizes.array_tasks tasks, whole process; None: no arrays
     skipped: str = ""
 
 
@@ -361,6 +382,11 @@ def bench_peer(make: Callable[[str], Peer], sizes: Sizes) -> Result:
         peer.block()
         for c in sizes.concurrency:
             result.rates[c] = measure_throughput(peer, sizes.submits, c)
+        argv = peer.array_argv(sizes.array_tasks)
+        if argv is not None:  # last: its tasks stay queued behind the blocker until the peer is stopped
+            t0 = time.perf_counter()
+            subprocess.run(argv, env=peer.env, check=True, stdout=subprocess.DEVNULL, timeout=120)
+            result.array_s = time.perf_counter() - t0
     except SkipPeer as exc:
         result.skipped = str(exc)
     except Exception as exc:  # a peer that breaks mid-run is reported, not fatal
@@ -381,13 +407,14 @@ PEERS: dict[str, Callable[[str], Peer]] = {
 def report(results: list[Result], sizes: Sizes) -> None:
     ours = results[0]
     table = h.Table(["system", *[f"submits/s x{c}" for c in sizes.concurrency], "submit proc p50 ms",
-                     "submit->start p50 ms", "p99 ms", "max ms"])
+                     "submit->start p50 ms", "p99 ms", "max ms", f"--array 1-{sizes.array_tasks} ms"])
     for r in results:
         if r.skipped:
-            table.add(r.name, *["skipped"] * (len(sizes.concurrency) + 4))
+            table.add(r.name, *["skipped"] * (len(sizes.concurrency) + 5))
             continue
         table.add(r.name, *[r.rates[c] for c in sizes.concurrency], 1000 * h.median(r.submit_proc),
-                  1000 * h.median(r.latency), 1000 * h.percentile(r.latency, 99), 1000 * max(r.latency))
+                  1000 * h.median(r.latency), 1000 * h.percentile(r.latency, 99), 1000 * max(r.latency),
+                  1000 * r.array_s if r.array_s is not None else "no arrays")
     print(table.render())
     print()
     for r in results:
@@ -407,6 +434,9 @@ def report(results: list[Result], sizes: Sizes) -> None:
         print(f"  {r.name}: throughput {rates}; submit->start p50 latency "
               f"{h.median(r.latency) / h.median(ours.latency):.2f} "
               f"({1000 * h.median(r.latency):.0f} ms vs {1000 * h.median(ours.latency):.0f} ms)")
+        if r.array_s is not None and ours.array_s is not None:
+            print(f"  {r.name}: one --array 1-{sizes.array_tasks} submit process takes {1000 * r.array_s:.0f} ms vs "
+                  f"gpusched's {1000 * ours.array_s:.0f} ms (x{r.array_s / ours.array_s:.3f})")
 
 
 def main() -> int:

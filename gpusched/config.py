@@ -239,6 +239,10 @@ class DaemonConfig(BaseModel):
     max_pending_per_user: int = Field(
         default=50000, ge=1, description="pending and held jobs one user may have; more submits are refused"
     )
+    max_array_size: int = Field(
+        default=10001, ge=1, le=1_000_000, description="most tasks one job array (`submit --array`) may have; each "
+        "task also counts against max_pending_per_user"
+    )
     max_pending_bytes_per_user: int = Field(
         default=256 * 2**20, ge=0, description="bytes of argv, environment, cwd and name (as the 256 KiB per-job cap "
         "counts them) one user's pending and held jobs may take together; the daemon holds these jobs in memory"

@@ -228,6 +228,10 @@ class Job(BaseModel):
     allocation: Allocation | None = None
     pid: int | None = None
     history: list[Transition] = Field(default_factory=list)
+    # The job array this job is a task of, and its index there (GPUSCHED_ARRAY_TASK_ID). Left out of
+    # messages when unset: a protocol 1.0 client refuses members it does not know.
+    array_id: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    array_task: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def display_name(self) -> str:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from gpusched.arrayspec import MAX_SPEC_CHARS, MAX_TASK_INDEX, ArraySpecError, parse_array_spec
 from gpusched.model import Event, Job, JobId, JobSpec, JobState
 
 # The plain part (framing, codes, version, sockets) lives in gpusched.wire so the client can use it
@@ -34,6 +35,15 @@ from gpusched.wire import socket_candidates as socket_candidates
 from gpusched.wire import user_socket as user_socket
 
 
+TaskIndex = Annotated[int, Field(ge=0, le=MAX_TASK_INDEX)]
+
+
+def _unset(value: object) -> bool:
+    """Fields added in protocol 1.1 are left out of a message while they hold their default, so a 1.0
+    peer (whose models refuse unknown members) still understands everything that does not use them."""
+    return value is None or value is False or value == []
+
+
 class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,12 +58,36 @@ class SubmitRequest(_Req):
     op: Literal["submit"] = "submit"
     spec: JobSpec
     hold: bool = Field(default=False, description="submit in HELD state (start only after release)")
+    array: str | None = Field(
+        default=None, max_length=MAX_SPEC_CHARS, exclude_if=_unset,
+        description="a job array as sbatch's --array: A-B[:STEP] or a comma list of those, optionally %MAX "
+        "(at most MAX tasks run at once); one task per index, each with GPUSCHED_ARRAY_TASK_ID set",
+    )
+    request_id: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$", exclude_if=_unset,
+        description="client-chosen idempotency key (e.g. a random UUID): a submit that repeats a request_id "
+        "of the same user returns the job (or array) the first one created, with duplicate = true, and creates "
+        "nothing; so a client whose connection broke before the answer may safely send the submit again",
+    )
+
+    @field_validator("array")
+    @classmethod
+    def _array_spec(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_array_spec(value)
+            except ArraySpecError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
 
 class QueueRequest(_Req):
     op: Literal["queue"] = "queue"
     all: bool = Field(default=False, description="include finished jobs")
     user: str | None = Field(default=None, description="only this user's jobs")
+    array_tasks: bool = Field(default=False, exclude_if=_unset,
+                              description="list each task of a job array as its own row (default: one row per array "
+                              "in `arrays`, its tasks left out of `jobs`)")
     limit: int = Field(default=1000, ge=1, le=3000, description="at most this many rows (a reply must fit in "
                        "one frame); with --all the newest finished jobs fill what pending and active jobs leave")
     after_id: int | None = Field(
@@ -69,17 +103,37 @@ class QueueRequest(_Req):
 
 class ShowRequest(_Req):
     op: Literal["show"] = "show"
-    job_id: JobId
+    job_id: JobId = Field(description="a job, or an array (its tasks are listed)")
+    task: TaskIndex | None = Field(default=None, exclude_if=_unset,
+                                   description="task index: job_id names the array (`show 123_7`)")
+
+
+class TaskRef(_Req):
+    """One task of a job array: `123_7` is array 123, task 7."""
+
+    array_id: JobId
+    task: TaskIndex
 
 
 class CancelRequest(_Req):
     op: Literal["cancel"] = "cancel"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(default_factory=list, max_length=10_000,
+                                 description="jobs; an array's id cancels every task of the array")
+    tasks: list[TaskRef] = Field(default_factory=list, max_length=10_000, exclude_if=_unset,
+                                 description="single array tasks")
+
+    @model_validator(mode="after")
+    def _something(self) -> CancelRequest:
+        if not self.job_ids and not self.tasks:
+            raise ValueError("name at least one job (job_ids) or array task (tasks)")
+        return self
 
 
 class LogsRequest(_Req):
     op: Literal["logs"] = "logs"
     job_id: JobId
+    task: TaskIndex | None = Field(default=None, exclude_if=_unset,
+                                   description="task index: job_id names the array (`logs 123_7`)")
     offset: int = Field(default=0, ge=0, le=2**62, description="byte offset to read from")
     max_bytes: int = Field(default=256 * 1024, ge=1, le=512 * 1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=30.0, description="long-poll for new output")
@@ -241,8 +295,12 @@ class HelloResult(_Res):
 
 
 class SubmitResult(_Res):
-    job_id: int
+    job_id: int = Field(description="the job's id; for an array, the array's id (its tasks are ARRAY_TASK)")
     state: JobState
+    tasks: int | None = Field(default=None, exclude_if=_unset, description="an array: how many tasks it has")
+    duplicate: bool = Field(default=False, exclude_if=_unset,
+                            description="request_id was seen before: this is the job (or array) that request created, "
+                            "and nothing new was created")
 
 
 class JobSummary(_Res):
@@ -260,11 +318,33 @@ class JobSummary(_Res):
     exit_code: int | None
     devices: list[str]
     reason: str
+    array_id: int | None = Field(default=None, exclude_if=_unset, description="the job array this job is a task of")
+    array_task: int | None = Field(default=None, exclude_if=_unset, description="its task index in that array")
+
+
+class ArraySummary(_Res):
+    """One job array: what it runs and how many of its tasks are in each state."""
+
+    id: int
+    name: str
+    user: str
+    uid: int
+    request: str
+    submitted_at: float
+    spec: str = Field(description="the --array spec as given, e.g. 1-10000%8")
+    tasks: int = Field(description="how many tasks the array has")
+    max_running: int | None = Field(default=None, description="%MAX: at most this many tasks run at once")
+    states: dict[str, int] = Field(description="state -> number of its tasks in that state (finished ones "
+                                   "included, as long as they are kept)")
+    pending: str = Field(default="", description="the pending (and held) task indices, compressed: 5-10000")
 
 
 class QueueResult(_Res):
     jobs: list[JobSummary]
     total: int = Field(default=0, description="rows that matched; more than len(jobs) when limited")
+    arrays: list[ArraySummary] = Field(default_factory=list, exclude_if=_unset,
+                                       description="job arrays, one row each (their tasks are not in `jobs` unless "
+                                       "array_tasks was asked for)")
 
 
 class RuntimeEstimate(_Res):
@@ -281,7 +361,8 @@ class RuntimeEstimate(_Res):
 
 
 class ShowResult(_Res):
-    job: Job
+    job: Job = Field(description="the job; for an array, its first unfinished task (else its last one)")
+    array: ArraySummary | None = Field(default=None, exclude_if=_unset, description="the array `job` is a task of")
     waiting_reason: str | None = None
     log_path: str | None = None
     events: list[Event] = Field(default_factory=list, description="device events attributed to this job")
@@ -292,6 +373,9 @@ class ShowResult(_Res):
 class CancelResult(_Res):
     cancelled: list[int]
     already_finished: list[int] = Field(default_factory=list)
+    arrays: list[int] = Field(default_factory=list, exclude_if=_unset,
+                              description="arrays named by id: their unfinished tasks are in `cancelled` (or "
+                              "`already_finished`)")
 
 
 class JobsChanged(_Res):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"  # 1.1: job arrays, submit request_id
 MAX_FRAME = 1 << 20  # 1 MiB
 HEADER = struct.Struct(">I")
 

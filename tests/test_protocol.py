@@ -197,3 +197,21 @@ def test_error_envelope_shape() -> None:
     assert error(ErrorCode.NOT_FOUND, "no job 9", "h") == {
         "ok": False, "error": {"code": "not_found", "message": "no job 9", "hint": "h"},
     }
+
+
+def test_members_added_in_1_1_are_left_out_while_unset() -> None:
+    """A 1.0 peer refuses unknown members: what does not use arrays or request_id must look as in 1.0."""
+    from gpusched.model import Job, JobSpec, JobState, WholeRequest
+    from gpusched.protocol import CancelRequest, CancelResult, QueueResult, ShowRequest, SubmitRequest, SubmitResult
+
+    spec = JobSpec(argv=["true"], cwd="/tmp", request=WholeRequest(gpus=1))
+    assert set(SubmitRequest(spec=spec).model_dump(mode="json")) == {"op", "spec", "hold"}
+    assert SubmitResult(job_id=1, state=JobState.PENDING).model_dump(mode="json") == {"job_id": 1, "state": "PENDING"}
+    assert set(ShowRequest(job_id=1).model_dump(mode="json")) == {"op", "job_id"}
+    assert set(CancelRequest(job_ids=[1]).model_dump(mode="json")) == {"op", "job_ids"}
+    assert set(CancelResult(cancelled=[1]).model_dump(mode="json")) == {"cancelled", "already_finished"}
+    assert set(QueueResult(jobs=[]).model_dump(mode="json")) == {"jobs", "total"}
+    job = Job(id=1, uid=0, gid=0, user="root", spec=spec, state=JobState.PENDING, submitted_at=0.0)
+    assert "array_id" not in job.model_dump(mode="json") and "array_task" not in job.model_dump(mode="json")
+    task = job.model_copy(update={"array_id": 5, "array_task": 0})
+    assert (task.model_dump(mode="json")["array_id"], task.model_dump(mode="json")["array_task"]) == (5, 0)

@@ -142,13 +142,14 @@ class Compactor:
             submitted_at: float, started_at: float | None = None, ended_at: float | None = None,
             exit_code: int | None = None, signal: int | None = None, reason: str = "",
             allocation: Allocation | None = None, pid: int | None = None,
-            history: list[Transition] | None = None) -> Job:
+            history: list[Transition] | None = None, array_id: int | None = None,
+            array_task: int | None = None) -> Job:
         """A Job from trusted parts (the store's own columns, or a spec validated at submission)."""
         return construct(Job, _JOB_SET, {
             "id": id, "uid": uid, "gid": gid, "user": self.text(user), "spec": spec, "state": state,
             "submitted_at": submitted_at, "started_at": started_at, "ended_at": ended_at, "exit_code": exit_code,
             "signal": signal, "reason": self.text(reason), "allocation": allocation, "pid": pid,
-            "history": history if history is not None else [],
+            "history": history if history is not None else [], "array_id": array_id, "array_task": array_task,
         })
 
     def transition(self, state: JobState, at: float, reason: str) -> Transition:

@@ -14,10 +14,12 @@ import logging
 import os
 import pwd
 import signal
+import sqlite3
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from gpusched.arrayspec import ArraySpec, ArraySpecError, parse_array_spec
 from gpusched.config import DaemonConfig
 from gpusched.core.migplan import LayoutChange
 from gpusched.core.scheduler import (
@@ -33,11 +35,13 @@ from gpusched.core.scheduler import (
     StartJob,
     unsatisfiable_reason,
 )
+from gpusched.daemon.arrays import Arrays
 from gpusched.daemon.cgroups import CgroupManager
 from gpusched.daemon.checkpointing import Checkpoints
 from gpusched.daemon.counters import Metrics, pending_since
 from gpusched.daemon.devices import DeviceError, DeviceManager, simulator_of
 from gpusched.daemon.executor import NEVER_LAUNCHED, Executor, ExitStatus, Trace
+from gpusched.daemon.groupcommit import GroupCommit, Write
 from gpusched.daemon.jobmap import job_mapping, write_job_mapping
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env, cuda_pids, describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
@@ -58,7 +62,7 @@ from gpusched.model import (
     JobState,
     spec_bytes,
 )
-from gpusched.protocol import ErrorCode, ProtocolError
+from gpusched.protocol import ErrorCode, ProtocolError, SubmitResult
 
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
 log = logging.getLogger("gpusched.engine")
@@ -99,6 +103,7 @@ class Engine:
         self.inventory = Inventory(gpus=())
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
+        self._notify_pending = False
         self._stops: dict[int, StopRequest] = {}
         # Final states of ended jobs that pending jobs depend on, looked up in the store once each;
         # only --after targets are cached, so it cannot grow with the number of jobs ever run.
@@ -110,6 +115,10 @@ class Engine:
         self._awaiting_deps: set[int] = set()  # PENDING jobs kept from the scheduler until --after is met
         self._held_with_deps: set[int] = set()  # HELD jobs with --after (a dependency may fail them)
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
+        self.arrays = Arrays()  # job arrays with unfinished tasks: their environment and %MAX
+        self.commits = GroupCommit(store)  # submits share COMMITs (daemon/groupcommit.py)
+        self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
+        self._handing: set[int] = set()  # array tasks accepted but not yet handed to the scheduler
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.passes = 0
@@ -135,10 +144,18 @@ class Engine:
                 load_history(json.loads(history))
             except (ValueError, TypeError, AttributeError) as exc:  # a damaged record costs estimates, not service
                 log.warning("ignoring saved run-time history: %s", exc)
-        for job in self.store.jobs_in(set(JobState) - TERMINAL_STATES):
+        unfinished = self.store.jobs_in(set(JobState) - TERMINAL_STATES)
+        live: dict[int, list[Job]] = {}
+        for job in unfinished:
+            if job.array_id is not None:
+                live.setdefault(job.array_id, []).append(job)
+        for array_id, row in self.store.arrays(live).items():
+            self.arrays.add(array_id, row.tasks, live[array_id][0], live=len(live[array_id]))
+        for job in unfinished:
             self.jobs[job.id] = job
             if job.state in ACTIVE_STATES:
                 self._active.add(job.id)
+                self.arrays.mark_active(job)
             elif job.state in WAITING_STATES:
                 self._count_waiting(job, 1)
                 if job.state is JobState.HELD and job.spec.after:
@@ -210,8 +227,16 @@ class Engine:
 
     # ---- requests from handlers ----------------------------------------------------------------
 
-    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool = False) -> Job:
-        """Validate against this node, commit, then wake the loop. Raises ProtocolError."""
+    async def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool = False,
+                     array: str | None = None, request_id: str | None = None) -> SubmitResult:
+        """Validate against this node, commit (one COMMIT shared with the submits that arrive with it),
+        then wake the loop. Returns once the job, or the array and all its tasks, is durable; raises
+        ProtocolError. A `request_id` seen before returns what it created, and creates nothing."""
+        if request_id is not None:
+            known = await self._known_request(uid, request_id)
+            if known is not None:
+                return known
+        tasks = self._array_spec(array) if array is not None else None
         if uid == 0 and not self.config.allow_root_jobs:
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED, "jobs submitted by root are refused",
@@ -221,22 +246,104 @@ class Engine:
                                       self.config.mig.toggle_mode)
         if reason is not None:
             raise ProtocolError(ErrorCode.UNSATISFIABLE, f"request can never be satisfied: {reason}")
-        self._check_user_limits(uid, user, spec_bytes(spec))
+        count = 1 if tasks is None else tasks.count
+        size = spec_bytes(spec) if tasks is None else -(-spec_bytes(spec) // count) * count  # tasks share one spec
+        self._check_user_limits(uid, user, size, count)
         for dep in spec.after:
             if self.get(dep.job_id) is None:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"after: no job {dep.job_id} to depend on")
-        job = self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=self.clock())
-        self.jobs[job.id] = job
-        self._count_waiting(job, 1)
-        if hold:
-            job = self._set(job, JobState.HELD, "held at submission")
-        else:
-            self._enqueue(job)
+        # Counted now, not at the commit: submits waiting for the same COMMIT must not pass the limits together.
+        self._reserve(uid, count, size)
+        now = self.clock()
+
+        def apply() -> tuple[int | None, list[Job]]:
+            if tasks is None:
+                return None, [self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=now, hold=hold,
+                                                request_id=request_id)]
+            return self.store.submit_array(uid=uid, gid=gid, user=user, spec=spec, now=now, array=tasks, hold=hold,
+                                           request_id=request_id)
+
+        write = Write(apply=apply, committed=lambda done: self._accepted(done, tasks),
+                      failed=lambda exc: self._reserve(uid, -count, -size))
+        future = self.commits.write(write)
+        if request_id is not None:
+            self._requests[(uid, request_id)] = future
+            future.add_done_callback(lambda _: self._requests.pop((uid, request_id), None))
+        try:
+            array_id, jobs = await future
+        except (OSError, sqlite3.Error) as exc:
+            raise ProtocolError(ErrorCode.INTERNAL, f"the job could not be stored: {exc}",
+                                "nothing was queued; see the daemon's log") from None
+        return _submitted(array_id, jobs, duplicate=False)
+
+    def _array_spec(self, text: str) -> ArraySpec:
+        limit = self.config.max_array_size
+        try:
+            tasks = parse_array_spec(text)
+        except ArraySpecError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"array: {exc}") from None
+        if tasks.count > limit:
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
+                                f"array {tasks.text}: {tasks.count} tasks; this daemon accepts at most {limit} per "
+                                "array (max_array_size)", "split it into several arrays")
+        return tasks
+
+    def _accepted(self, done: tuple[int | None, list[Job]], tasks: ArraySpec | None) -> None:
+        """A submit is durable: mirror it (its places were reserved when it was checked)."""
+        array_id, jobs = done
+        if array_id is not None and tasks is not None:
+            self.arrays.add(array_id, tasks.text, jobs[0], live=len(jobs))
+        for job in jobs:
+            self.jobs[job.id] = job
+            if job.state is JobState.HELD:
+                if job.spec.after:
+                    self._held_with_deps.add(job.id)
+            elif array_id is None:
+                self._enqueue(job)
+        if array_id is not None and jobs[0].state is JobState.PENDING:
+            self._handing.update(j.id for j in jobs)
+            self._spawn(self._hand_over([j.id for j in jobs]))
         self._notify()
         self.wake()
-        return job
 
-    def _check_user_limits(self, uid: int, user: str, size: int) -> None:
+    async def _hand_over(self, ids: list[int]) -> None:
+        """An array's tasks reach the scheduler 500 at a time, after the answer went out: 10,000
+        scheduler inserts in one go would hold the loop, and every other client, for ~0.2 s."""
+        for start in range(0, len(ids), 500):
+            await asyncio.sleep(0)
+            for job_id in ids[start : start + 500]:
+                job = self.jobs.get(job_id)
+                if job_id in self._handing and job is not None and job.state is JobState.PENDING:
+                    self._handing.discard(job_id)
+                    self._enqueue(job)
+        self.wake()
+
+    async def _known_request(self, uid: int, request_id: str) -> SubmitResult | None:
+        """What an earlier submit with this request_id created (still being committed, or stored)."""
+        pending = self._requests.get((uid, request_id))
+        if pending is not None:
+            array_id, jobs = await asyncio.shield(pending)
+            return _submitted(array_id, jobs, duplicate=True)
+        made = self.store.submit_key(uid, request_id)
+        if made is None:
+            return None
+        job = self.get(made)
+        if job is not None:
+            return SubmitResult(job_id=made, state=job.state, duplicate=True)
+        first = next(iter(self.store.task_ids(made)), None)
+        task = self.get(first) if first is not None else None
+        return SubmitResult(job_id=made, state=task.state if task is not None else JobState.PENDING,
+                            tasks=len(self.store.task_ids(made)), duplicate=True)
+
+    def _reserve(self, uid: int, count: int, size: int) -> None:
+        for counts, step in ((self._waiting_by_uid, count), (self._waiting_bytes_by_uid, size)):
+            total = counts.get(uid, 0) + step
+            if total > 0:
+                counts[uid] = total
+            else:
+                counts.pop(uid, None)
+
+    def _check_user_limits(self, uid: int, user: str, size: int, count: int = 1) -> None:
         """Per-user limits that keep one user from flooding the queue or the database (root is exempt)."""
         if uid == 0:
             return
@@ -249,11 +356,13 @@ class Engine:
                 "submit with a smaller environment (--export), or wait for some jobs to start",
             )
         waiting = self._waiting_by_uid.get(uid, 0)
-        if waiting >= self.config.max_pending_per_user:
+        if waiting + count > self.config.max_pending_per_user:
+            adding = f"; this array's {count} tasks would pass" if count > 1 else ""
             raise ProtocolError(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"{user} already has {waiting} pending or held jobs (max_pending_per_user = "
-                f"{self.config.max_pending_per_user})", "wait for some to start, or cancel some",
+                f"{user} already has {waiting} pending or held jobs{adding} (max_pending_per_user = "
+                f"{self.config.max_pending_per_user}; each array task counts)",
+                "wait for some to start, or cancel some",
             )
         rate = self.config.submit_rate_per_user
         now = time.monotonic()
@@ -430,8 +539,8 @@ class Engine:
         if self._incremental:
             pending: tuple[Job, ...] = ()  # the scheduler holds its own queue (see _enqueue)
         else:
-            pending = tuple(sorted((j for j in self.jobs.values() if j.state is JobState.PENDING and self._ready(j)),
-                                   key=lambda j: j.id))
+            pending = tuple(sorted((j for j in self.jobs.values() if j.state is JobState.PENDING and self._ready(j)
+                                    and self.arrays.is_admitted(j)), key=lambda j: j.id))
         return Snapshot(
             gpus=self.inventory.gpus,
             pending=pending,
@@ -500,8 +609,9 @@ class Engine:
         return dep.condition == "any" or final is JobState.COMPLETED
 
     def _enqueue(self, job: Job) -> None:
-        """A job became PENDING: the scheduler gets it once its dependencies are met."""
-        if not self._incremental:
+        """A job became PENDING: the scheduler gets it once its dependencies are met (and, for a task of
+        an array with %MAX, once fewer than MAX of its array's tasks are queued or running)."""
+        if not self.arrays.admit(job) or not self._incremental:
             return
         if self._ready(job):
             self._awaiting_deps.discard(job.id)
@@ -520,6 +630,7 @@ class Engine:
     def requeue_all(self) -> None:
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
         the checkpointed ones pinned to the GPUs that hold their state."""
+        self._handing.clear()  # array tasks not handed over yet go now, with the others
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
@@ -645,7 +756,7 @@ class Engine:
         self.metrics.observe_wait(now - pending_since(job))
         try:
             added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
-                action.allocation, self.share_modes(), job.uid)
+                action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
         except GpuError as exc:
             self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
             return
@@ -942,6 +1053,7 @@ class Engine:
 
     def _set(self, job: Job, state: JobState, reason: str, **fields: object) -> Job:
         updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
+        self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
             observe = getattr(self.scheduler, "observe_end", None)
@@ -972,11 +1084,16 @@ class Engine:
             self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
         if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
             self._write_job_mapping()
+        if job.array_id is not None and (state in TERMINAL_STATES or state is JobState.HELD):
+            for freed in self.arrays.leave(updated, ended=state in TERMINAL_STATES):  # %MAX: the next task may go
+                if freed in self.jobs:
+                    self._enqueue(self.jobs[freed])
         self._notify()
         return updated
 
     def _count_waiting(self, job: Job, delta: int) -> None:
-        size = self.store.compactor.spec_bytes(job.spec)
+        held = self.arrays.held_bytes(job)  # an array's tasks share one spec, and its bytes
+        size = self.store.compactor.spec_bytes(job.spec) if held is None else held
         for counts, step in ((self._waiting_by_uid, delta), (self._waiting_bytes_by_uid, delta * size)):
             count = counts.get(job.uid, 0) + step
             if count > 0:
@@ -994,9 +1111,12 @@ class Engine:
             log.warning("cannot write job mapping files in %s: %s", self.config.job_mapping_dir, exc)
 
     def _notify(self) -> None:
-        self._spawn(self._notify_all())
+        if not self._notify_pending:  # one wake-up of the watchers covers every change made before it runs
+            self._notify_pending = True
+            self._spawn(self._notify_all())
 
     async def _notify_all(self) -> None:
+        self._notify_pending = False
         async with self._changed:
             self._changed.notify_all()
 
@@ -1035,6 +1155,12 @@ class Engine:
         except KeyError:
             return False
         return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
+
+
+def _submitted(array_id: int | None, jobs: list[Job], *, duplicate: bool) -> SubmitResult:
+    if array_id is None:
+        return SubmitResult(job_id=jobs[0].id, state=jobs[0].state, duplicate=duplicate)
+    return SubmitResult(job_id=array_id, state=jobs[0].state, tasks=len(jobs), duplicate=duplicate)
 
 
 def run_seconds(job: Job, now: float) -> float:

@@ -13,19 +13,31 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gpusched import __version__
+from gpusched.arrayspec import compress
 from gpusched.config import ConfigError
 from gpusched.core.accounting import UserStats, device_busy_fraction, fairness_index, user_stats
 from gpusched.core.scheduler import Scheduler
+from gpusched.daemon.arraystore import ArrayRow
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.launch import gpu_memory_by_job
 from gpusched.daemon.store import StoreReader, SummaryRow
 from gpusched.gpu.backend import GpuError
-from gpusched.model import ACTIVE_STATES, TERMINAL_STATES, Job, JobState, bounded, describe_request
+from gpusched.model import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    Job,
+    JobState,
+    bounded,
+    describe_request,
+    display_name,
+)
 from gpusched.protocol import (
     MAX_FRAME,
     PROTOCOL_VERSION,
+    ArraySummary,
     CancelRequest,
     CancelResult,
     DevicesChanged,
@@ -79,6 +91,7 @@ from gpusched.protocol import (
 )
 
 MAX_REASON = 256  # characters of a job's reason in listings; `show` has the whole history
+CANCEL_CHUNK = 500  # jobs cancelled per COMMIT: a whole array must not hold the loop for its 10,000
 # A listing stops adding rows at this many bytes, so its reply always fits in one frame (and says how
 # many rows it left out) whatever the jobs' names and reasons hold.
 REPLY_BUDGET = MAX_FRAME - 64 * 1024
@@ -116,25 +129,40 @@ def hello(ctx: Context, req: HelloRequest) -> HelloResult:
     )
 
 
-def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
+async def submit(ctx: Context, req: SubmitRequest) -> SubmitResult:
     if ctx.engine.config.mode == "slurm-node":  # one queue per GPU: Slurm's (docs/slurm.md)
         raise ProtocolError(ErrorCode.INVALID_STATE,
                             "this node runs gpuschedd in slurm-node mode: Slurm owns the queue, gpusched only "
                             "manages the GPUs", "submit with Slurm instead, e.g. `sbatch --gres=gpu:1g.10gb:1 job.sh`")
-    job = ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec, hold=req.hold)
-    return SubmitResult(job_id=job.id, state=job.state)
+    return await ctx.engine.submit(uid=ctx.peer.uid, gid=ctx.peer.gid, user=ctx.user, spec=req.spec, hold=req.hold,
+                                   array=req.array, request_id=req.request_id)
 
 
 async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     after = req.after_id if req.after_id is not None else 0
-    live: dict[int, Job] = {j.id: j for j in ctx.engine.jobs.values()
-                            if (req.user is None or j.user == req.user) and j.id > after}
+    # An array is one row (its tasks counted by state) unless its tasks are asked for, or a script
+    # pages through every job in id order (after_id): then each task is a row of its own.
+    compact = not req.array_tasks and req.after_id is None
+    live: dict[int, Job] = {}
+    array_tasks: dict[int, list[Job]] = {}
+    for j in ctx.engine.jobs.values():
+        if (req.user is None or j.user == req.user) and j.id > after:
+            if compact and j.array_id is not None:
+                array_tasks.setdefault(j.array_id, []).append(j)
+            else:
+                live[j.id] = j
     stored: list[SummaryRow] = []
     if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
         stored = await _read(ctx, lambda r: r.summaries(limit=req.limit, after_id=req.after_id, user=req.user))
     elif req.all and len(live) < req.limit:
-        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True))
+        # Finished array tasks are counted in their array's row, so they must not take the rows left.
+        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True,
+                                                        tasks=not compact))
     finished = {row.id: row for row in stored if row.id not in live}
+    ended_arrays: set[int] = set()
+    if compact and req.all:  # arrays whose tasks have all ended are listed too, the newest first
+        ended_arrays = set(await _read(ctx, lambda r: r.newest_arrays(limit=req.limit, user=req.user)))
+    arrays = await _array_summaries(ctx, array_tasks, ended_arrays) if array_tasks or ended_arrays else []
     ordered = sorted([*live, *finished])
     order = getattr(ctx.engine.scheduler, "fairness_order", None)
     if req.order == "fairness" and callable(order):
@@ -142,14 +170,30 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
         # Active and finished jobs first (by id), then pending ones as the scheduler would start them.
         ordered.sort(key=lambda i: (i in rank, rank.get(i, 0), i))
     rows: list[JobSummary] = []
-    size = 0
+    size = sum(len(a.model_dump_json().encode()) + 1 for a in arrays)
     for job_id in ordered[: req.limit]:
         row = summarize(live[job_id]) if job_id in live else _summary_of_row(finished[job_id])
         size += len(row.model_dump_json().encode()) + 1
         if size > REPLY_BUDGET:
             break
         rows.append(row)
-    return QueueResult(jobs=rows, total=len(ordered))
+    return QueueResult(jobs=rows, total=len(ordered), arrays=arrays)
+
+
+async def _array_summaries(ctx: Context, live: dict[int, list[Job]], ended: set[int]) -> list[ArraySummary]:
+    """One row per array: its unfinished tasks from memory, its counts by state from the store."""
+    ids = sorted(set(live) | ended)
+    rows, counts = await _read(ctx, lambda r: (r.arrays(ids), r.array_counts(ids)))
+    return [_array_summary(rows[i], counts.get(i, {}), live.get(i, [])) for i in ids if i in rows]
+
+
+def _array_summary(row: ArrayRow, counts: dict[str, int], live: list[Job]) -> ArraySummary:
+    waiting = sorted(j.array_task for j in live if j.state in WAITING_STATES and j.array_task is not None)
+    return ArraySummary(
+        id=row.id, name=display_name(row.spec), user=row.user, uid=row.uid, request=describe_request(row.spec.request),
+        submitted_at=row.submitted_at, spec=row.tasks, tasks=row.task_count, max_running=row.max_running,
+        states=dict(sorted(counts.items())), pending=compress(waiting),
+    )
 
 
 async def _read(ctx: Context, query: Callable[[StoreReader], _T]) -> _T:
@@ -168,9 +212,24 @@ async def _read(ctx: Context, query: Callable[[StoreReader], _T]) -> _T:
 
 
 def show(ctx: Context, req: ShowRequest) -> ShowResult:
-    job = _find(ctx, req.job_id)
+    array = None
+    if req.task is not None:
+        job = _find(ctx, _task_job(ctx, req.job_id, req.task))
+    elif ctx.engine.get(req.job_id) is None and (row := ctx.engine.store.arrays([req.job_id]).get(req.job_id)):
+        ids = ctx.engine.store.task_ids(row.id)
+        first = next((i for i in ids if i in ctx.engine.jobs), ids[-1] if ids else None)
+        if first is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"job array {row.id} has no tasks left")
+        job = _find(ctx, first)
+    else:
+        job = _find(ctx, req.job_id)
+    if job.array_id is not None:
+        row = ctx.engine.store.arrays([job.array_id]).get(job.array_id)
+        if row is not None:
+            live = [j for j in ctx.engine.jobs.values() if j.array_id == row.id]
+            array = _array_summary(row, ctx.engine.store.array_counts([row.id]).get(row.id, {}), live)
     return ShowResult(
-        job=_redact(ctx, job), waiting_reason=ctx.engine.waiting_reason(job),
+        job=_redact(ctx, job), array=array, waiting_reason=ctx.engine.waiting_reason(job),
         log_path=ctx.engine.executor.log_path(job.id), events=ctx.engine.store.events(job_id=job.id),
         estimate=_estimate(ctx, job),
     )
@@ -192,21 +251,39 @@ def _estimate(ctx: Context, job: Job) -> RuntimeEstimate | None:
 
 
 async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
-    refs = [_ref(ctx, job_id) for job_id in _unique(req.job_ids)]  # all-or-nothing: check every id first
+    ids: list[int] = []
+    arrays: list[int] = []
+    for job_id in _unique(req.job_ids):
+        if job_id in ctx.engine.jobs or ctx.engine.store.owner(job_id) is not None:
+            ids.append(job_id)
+            continue
+        row = ctx.engine.store.arrays([job_id]).get(job_id)
+        if row is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+        _require_owner(ctx, _JobRef(row.id, row.uid, row.user, JobState.PENDING, None), "cancel")
+        arrays.append(row.id)
+        # Highest first: the tasks %MAX holds back go before the queued ones, so none is released in between.
+        ids += reversed(ctx.engine.store.task_ids(row.id, unfinished=True))
+    ids += [_task_job(ctx, t.array_id, t.task) for t in req.tasks]
+    refs = [_ref(ctx, job_id) for job_id in _unique(ids)]  # all-or-nothing: check every id first
     for ref in refs:
         _require_owner(ctx, ref, "cancel")
     cancelled, finished = [], []
-    for ref in refs:
-        by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
-        if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
-            cancelled.append(ref.id)
-        else:
-            finished.append(ref.id)
-    return CancelResult(cancelled=cancelled, already_finished=finished)
+    for start in range(0, len(refs), CANCEL_CHUNK):
+        if start:
+            await asyncio.sleep(0)  # between chunks the loop serves everyone else
+        with ctx.engine.store.batch():  # one COMMIT per chunk, not one per job (an array has 10,000)
+            for ref in refs[start : start + CANCEL_CHUNK]:
+                by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
+                if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
+                    cancelled.append(ref.id)
+                else:
+                    finished.append(ref.id)
+    return CancelResult(cancelled=sorted(cancelled), already_finished=sorted(finished), arrays=arrays)
 
 
 async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
-    job = _ref(ctx, req.job_id)  # the owner is checked without loading the spec
+    job = _ref(ctx, req.job_id if req.task is None else _task_job(ctx, req.job_id, req.task))  # owner, not spec
     _require_owner(ctx, job, "read the log of")
     path = ctx.engine.executor.log_path(job.id)
     loop = asyncio.get_running_loop()
@@ -482,6 +559,7 @@ def summarize(job: Job) -> JobSummary:
         request=describe_request(job.spec.request), submitted_at=job.submitted_at, started_at=job.started_at,
         ended_at=job.ended_at, exit_code=job.exit_code,
         devices=job.allocation.uuids if job.allocation is not None else [], reason=bounded(job.reason, MAX_REASON),
+        array_id=job.array_id, array_task=job.array_task,
     )
 
 
@@ -489,7 +567,7 @@ def _summary_of_row(row: SummaryRow) -> JobSummary:
     return JobSummary(
         id=row.id, name=row.display, user=row.user, uid=row.uid, state=row.state, request=row.request,
         submitted_at=row.submitted_at, started_at=row.started_at, ended_at=row.ended_at, exit_code=row.exit_code,
-        devices=row.devices, reason=bounded(row.reason, MAX_REASON),
+        devices=row.devices, reason=bounded(row.reason, MAX_REASON), array_id=row.array_id, array_task=row.array_task,
     )
 
 
@@ -510,8 +588,30 @@ def _ref(ctx: Context, job_id: int) -> _JobRef:
         return _JobRef(job.id, job.uid, job.user, job.state, job)
     row = ctx.engine.store.owner(job_id)
     if row is None:
-        raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+        raise _no_job(ctx, job_id)
     return _JobRef(job_id, row[0], row[1], row[2], None)
+
+
+def _no_job(ctx: Context, job_id: int) -> ProtocolError:
+    """NOT_FOUND for an id that names no job: an array's id says how to name its tasks."""
+    array = ctx.engine.store.arrays([job_id]).get(job_id)
+    if array is not None:
+        return ProtocolError(ErrorCode.NOT_FOUND, f"{job_id} is a job array ({array.task_count} tasks), not a job",
+                             f"name one task as {job_id}_TASK (e.g. {job_id}_{array.tasks.split(',')[0].split('-')[0]}"
+                             f"); `show {job_id}` and `cancel {job_id}` take the whole array")
+    return ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+
+
+def _task_job(ctx: Context, array_id: int, task: int) -> int:
+    """The job id of task `task` of array `array_id` (`123_7`)."""
+    job_id = ctx.engine.store.task_job_id(array_id, task)
+    if job_id is None:
+        if ctx.engine.store.arrays([array_id]).get(array_id) is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no job array {array_id}",
+                                "`gpusched queue --all` lists known jobs and arrays")
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"job array {array_id} has no task {task}",
+                            f"`gpusched show {array_id}` shows its tasks")
+    return job_id
 
 
 def _unique(job_ids: list[int]) -> list[int]:
@@ -534,7 +634,7 @@ def _require_admin(ctx: Context, what: str) -> None:
 def _find(ctx: Context, job_id: int) -> Job:
     job = ctx.engine.get(job_id)
     if job is None:
-        raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+        raise _no_job(ctx, job_id)
     return job
 
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from gpusched.arrayspec import ArraySpec
+from gpusched.daemon.arraystore import ArrayReads, insert_array
 from gpusched.daemon.compact import Compactor
 from gpusched.model import (
     TERMINAL_STATES,
@@ -30,7 +32,7 @@ from gpusched.model import (
     display_name,
 )
 
-SCHEMA_VERSION = 2  # 2: jobs.display and jobs.request, so listings never parse a spec
+SCHEMA_VERSION = 3  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,9 +52,31 @@ CREATE TABLE IF NOT EXISTS jobs (
     allocation TEXT,
     pid INTEGER,
     display TEXT,
-    request TEXT
+    request TEXT,
+    array_id INTEGER,
+    array_task INTEGER
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+-- One row per job array; its tasks are rows of `jobs` (array_id, array_task) whose own spec is ''
+-- (they all share this one: 10,000 tasks must not store 10,000 copies of a 256 KiB environment).
+-- An array's id comes from the jobs' id sequence, so an id names a job or an array, never both.
+CREATE TABLE IF NOT EXISTS arrays (
+    id INTEGER PRIMARY KEY,
+    uid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    tasks TEXT NOT NULL,
+    task_count INTEGER NOT NULL,
+    max_running INTEGER,
+    submitted_at REAL NOT NULL
+);
+-- Client-chosen idempotency keys of submits (`request_id`): a retried submit finds its job here.
+CREATE TABLE IF NOT EXISTS submit_keys (
+    uid INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    job_id INTEGER NOT NULL,
+    PRIMARY KEY (uid, key)
+);
 CREATE TABLE IF NOT EXISTS transitions (
     job_id INTEGER NOT NULL REFERENCES jobs(id),
     seq INTEGER NOT NULL,
@@ -95,6 +119,8 @@ class SummaryRow(NamedTuple):
     devices: list[str]
     display: str
     request: str
+    array_id: int | None = None
+    array_task: int | None = None
 
 
 # A stand-in for the spec where a reader asked for jobs without theirs (accounting needs times and
@@ -104,10 +130,12 @@ NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
 _LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite's host-parameter limit)
 
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
-                    "display, request")
+                    "display, request, array_id, array_task")
+# An array task's spec is its array's (jobs.spec is '' for tasks).
+_SPEC = "CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END"
 
 
-class StoreReader:
+class StoreReader(ArrayReads):
     """The read side of the store. The daemon's Store is one; `StoreReader.open` gives a read-only
     connection of its own that a worker thread may use while the loop keeps serving (WAL readers
     never block the writer)."""
@@ -147,10 +175,11 @@ class StoreReader:
         return None if row is None else (row[0], row[1], JobState(row[2]))
 
     def summaries(self, *, limit: int, after_id: int | None = None, user: str | None = None,
-                  finished: bool = False) -> list[SummaryRow]:
+                  finished: bool = False, tasks: bool = True) -> list[SummaryRow]:
         """Listing rows in id order: the first `limit` above `after_id`, else the newest `limit`
-        (only ended jobs with `finished`). Specs are never read: the columns hold what a row shows."""
-        clauses: list[str] = []
+        (only ended jobs with `finished`; no array tasks without `tasks`). Specs are never read: the
+        columns hold what a row shows."""
+        clauses: list[str] = [] if tasks else ["array_id IS NULL"]
         args: list[Any] = []
         if after_id is not None:
             clauses.append("id > ?")
@@ -169,15 +198,15 @@ class StoreReader:
             SummaryRow(id=r[0], uid=r[1], user=r[2], state=JobState(r[3]), submitted_at=r[4], started_at=r[5],
                        ended_at=r[6], exit_code=r[7], reason=r[8],
                        devices=Allocation.model_validate_json(r[9]).uuids if r[9] else [], display=r[10] or "",
-                       request=r[11] or "")
+                       request=r[11] or "", array_id=r[12], array_task=r[13])
             for r in rows
         ]
         return out if after_id is not None else out[::-1]
 
     def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
         cur = self._db.execute(
-            f"SELECT id, uid, gid, user, {'spec' if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
-            f" exit_code, signal, reason, allocation, pid FROM jobs {where}",
+            f"SELECT id, uid, gid, user, {_SPEC if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
+            f" exit_code, signal, reason, allocation, pid, array_id, array_task FROM jobs {where}",
             args,
         )
         # In chunks: 100k rows of spec text held at once would be freed after the load, but would
@@ -187,14 +216,14 @@ class StoreReader:
 
     def _jobs(self, rows: list[Any], with_spec: bool) -> Iterator[Job]:
         histories = self._histories([r[0] for r in rows])
-        compact = self.compactor
+        compact = self.compactor  # an array's tasks share one spec: the text is its array's, the same for all
         for r in rows:
             yield compact.job(
                 id=r[0], uid=r[1], gid=r[2], user=r[3],
                 spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
                 submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
                 allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
-                history=histories.get(r[0], []),
+                history=histories.get(r[0], []), array_id=r[14], array_task=r[15],
             )
 
     def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
@@ -229,6 +258,8 @@ class Store(StoreReader):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         self.path = path
+        self._batching = False
+        self._savepoints = 0
         super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
         os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -248,11 +279,15 @@ class Store(StoreReader):
                                 (name,)).fetchone() is not None
 
     def _upgrade(self) -> None:
-        """Schema 1 -> 2: add the listing columns and fill them in from the specs (once)."""
+        """Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
+        Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in _SCHEMA."""
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        for column in ("display", "request"):
+        for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
+                             ("array_task", "INTEGER")):
             if column not in columns:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) "
+                         "WHERE array_id IS NOT NULL")
         while True:
             rows = self._db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall()
             if not rows:
@@ -265,6 +300,24 @@ class Store(StoreReader):
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One change, all or nothing: its own transaction, or inside `batch()` a savepoint (so a change
+        that fails undoes only itself, and the batch's other changes still commit)."""
+        if self._savepoints:  # already inside one: it undoes this change too if it fails (two fewer statements)
+            yield self._db
+            return
+        if self._batching:
+            self._db.execute("SAVEPOINT change")
+            self._savepoints += 1
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK TO change")
+                self._db.execute("RELEASE change")
+                raise
+            finally:
+                self._savepoints -= 1
+            self._db.execute("RELEASE change")
+            return
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield self._db
@@ -273,29 +326,76 @@ class Store(StoreReader):
             raise
         self._db.execute("COMMIT")
 
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """Inside `batch()`: several changes that stand or fall together (a group commit's one write)."""
+        assert self._batching, "a savepoint belongs in a batch"
+        with self._tx():
+            yield
+
+    @property
+    def batching(self) -> bool:
+        return self._batching
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many changes, one COMMIT (one fsync): group commit, and cancelling a whole array.
+
+        Every change made inside is committed when the block ends, even when a later one raised:
+        each change is applied in memory only after its own write succeeded, so committing exactly
+        the successful ones keeps the store and the engine's mirror equal. Nested batches join the
+        outer one. Nothing written inside is durable before the block has ended.
+        """
+        if self._batching:
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
     # ---- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted") -> Job:
-        """Insert a PENDING job and its first transition in one transaction; returns the stored job."""
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted",
+               hold: bool = False, request_id: str | None = None) -> Job:
+        """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
+        history = _first_history(now, reason, hold)
         stored = spec.model_dump_json()
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, stored, JobState.PENDING.value, now, reason, display_name(spec),
-                 describe_request(spec.request)),
+                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason,
+                 display_name(spec), describe_request(spec.request)),
             )
             job_id = cur.lastrowid
             assert job_id is not None
-            db.execute(
-                "INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, 0, ?, ?, ?)",
-                (job_id, JobState.PENDING.value, now, reason),
-            )
+            for seq, t in enumerate(history):
+                db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
+                           (job_id, seq, t.state.value, t.at, t.reason))
+            if request_id is not None:
+                db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
         compact = self.compactor
         return compact.job(
-            id=job_id, uid=uid, gid=gid, user=user, spec=compact.spec(spec, stored), state=JobState.PENDING,
-            submitted_at=now, reason=reason, history=[compact.transition(JobState.PENDING, now, reason)],
+            id=job_id, uid=uid, gid=gid, user=user, spec=compact.spec(spec, stored), state=history[-1].state,
+            submitted_at=now, reason=history[-1].reason, history=history,
         )
+
+    def submit_array(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, array: ArraySpec,
+                     hold: bool = False, request_id: str | None = None) -> tuple[int, list[Job]]:
+        """Insert a job array and all its tasks in one change; returns (array id, tasks in task order)."""
+        history = _first_history(now, "submitted", hold)
+        with self._tx() as db:
+            return insert_array(db, uid=uid, gid=gid, user=user, spec=spec, now=now, array=array, history=history,
+                                request_id=request_id)
 
     def transition(self, job: Job, new: JobState, *, now: float, reason: str, **fields: Any) -> Job:
         """Commit `job -> new` with its reason, plus column updates; returns the updated job."""
@@ -354,9 +454,16 @@ class Store(StoreReader):
             return []
         id_marks = ", ".join("?" for _ in ids)
         with self._tx() as db:
+            arrays = [r[0] for r in db.execute(
+                f"SELECT DISTINCT array_id FROM jobs WHERE id IN ({id_marks}) AND array_id IS NOT NULL", ids)]
             db.execute(f"DELETE FROM transitions WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM events WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM jobs WHERE id IN ({id_marks})", ids)
+            db.execute(f"DELETE FROM submit_keys WHERE job_id IN ({id_marks})", ids)
+            for array_id in arrays:  # an array goes with its last task (and its submit key with it)
+                if db.execute("SELECT 1 FROM jobs WHERE array_id = ? LIMIT 1", (array_id,)).fetchone() is None:
+                    db.execute("DELETE FROM arrays WHERE id = ?", (array_id,))
+                    db.execute("DELETE FROM submit_keys WHERE job_id = ?", (array_id,))
         return ids
 
     # ---- device and job events -------------------------------------------------------------------
@@ -374,6 +481,14 @@ class Store(StoreReader):
         with self._tx() as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
                        (key, value, value))
+
+
+def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:
+    """A new job's history: PENDING, then HELD at once for `submit --hold` (one change, one commit)."""
+    history = [Transition(state=JobState.PENDING, at=now, reason=reason)]
+    if hold:
+        history.append(Transition(state=JobState.HELD, at=now, reason="held at submission"))
+    return history
 
 
 def _encode(value: Any) -> Any:

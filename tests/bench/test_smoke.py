@@ -29,6 +29,8 @@ def test_bench_api_quick() -> None:
     assert "gpusched submit, 16 concurrent clients" in out
     assert "submit -> RUNNING" in out
     assert "gpusched submit process p50" in out
+    assert "single-commit floor" in out and "x the floor" in out
+    assert "--array 1-1000 accepted in" in out
 
 
 @pytest.mark.timeout(120)

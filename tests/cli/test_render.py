@@ -18,6 +18,7 @@ from gpusched.model import (
     WholeRequest,
 )
 from gpusched.protocol import (
+    ArraySummary,
     CancelResult,
     GpuInfo,
     GpusResult,
@@ -248,3 +249,21 @@ def test_printable_escapes_what_a_terminal_would_act_on(raw: str, shown: str) ->
 def test_table_cells_escape_newlines_and_controls() -> None:
     text = render.table(("A", "B"), [("x\ny", "\x1b[31mred")])
     assert text.splitlines()[1] == "x\\x0ay  \\x1b[31mred"
+
+
+def test_queue_shows_an_array_as_one_row_among_jobs_in_id_order() -> None:
+    array = ArraySummary(id=120, name="sweep", user="alice", uid=1000, request="gpus=1", submitted_at=T0 - 190,
+                         spec="1-10000%8", tasks=10000, max_running=8,
+                         states={"COMPLETED": 2, "PENDING": 9990, "RUNNING": 8}, pending="11-10000")
+    lines = render.queue_table([_summary(id=7), _summary(id=200)], T0, arrays=[array]).splitlines()
+    assert [line.split()[0] for line in lines] == ["ID", "7", "120_[1-10000%8]", "200"]
+    assert lines[2].split()[3:] == ["RUNNING:8,PENDING:9990,COMPLETED:2", "gpus=1", "-", "3:10", "pending", "11-10000"]
+    assert render.queue_table([], T0, arrays=[array]).count("\n") == 1
+    task = _summary(id=127, array_id=120, array_task=7)
+    assert render.queue_table([task], T0).splitlines()[1].split()[0] == "120_7"
+
+
+def test_cancel_of_a_whole_array_writes_runs_of_ids() -> None:
+    text = render.cancel_text(CancelResult(cancelled=list(range(121, 10121)), arrays=[120]))
+    assert text.splitlines() == ["Array 120: its unfinished tasks are cancelled", "Cancelled jobs 121-10120"]
+    assert render.cancel_text(CancelResult(cancelled=[3, 5])) == "Cancelled jobs 3, 5"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from gpusched.arrayspec import parse_array_spec
 from gpusched.daemon.store import SCHEMA_VERSION, Store, StoreReader
 from gpusched.model import JobSpec, JobState, WholeRequest
 
@@ -58,4 +59,51 @@ def test_summaries_page_and_prune(tmp_path: Path) -> None:
     assert [r.id for r in reader.summaries(limit=10, after_id=0)] == [jobs[0].id, jobs[4].id, jobs[5].id]
     assert store.get(jobs[1].id) is None and reader.owner(jobs[5].id) == (1, "u", JobState.PENDING)
     reader.close()
+    store.close()
+
+
+def test_a_schema_2_database_gets_arrays_and_keeps_its_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "gpusched.db"
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_1.replace("'1'", "'2'"))
+    db.execute("ALTER TABLE jobs ADD COLUMN display TEXT")
+    db.execute("ALTER TABLE jobs ADD COLUMN request TEXT")
+    db.execute("INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, display, request) VALUES "
+               "(1, 1, 'u', ?, 'PENDING', 1.0, 'old', 'gpus=2')", (_spec("old").model_dump_json(),))
+    db.commit()
+    db.close()
+    store = Store(str(path))
+    assert store.get_meta("schema_version") == "3"
+    [old] = store.jobs_in([JobState.PENDING])
+    assert (old.id, old.array_id, old.array_task) == (1, None, None)
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("sweep"), now=2.0,
+                                         array=parse_array_spec("0-4:2%1"))
+    assert array_id == 2 and [(t.id, t.array_task) for t in tasks] == [(3, 0), (4, 2), (5, 4)]
+    store.close()
+
+
+def test_an_array_is_one_row_plus_its_tasks_sharing_one_spec(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "gpusched.db"))
+    first = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=1.0, request_id="k1")
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("/bin/sweep"), now=2.0,
+                                         array=parse_array_spec("1-3"), hold=True, request_id="k2")
+    after = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/two"), now=3.0)
+    assert (first.id, array_id, [t.id for t in tasks], after.id) == (1, 2, [3, 4, 5], 6)  # ids never collide
+    assert store.get(array_id) is None and store.arrays([array_id])[array_id].task_count == 3
+    assert store._db.execute("SELECT COUNT(*) FROM jobs WHERE spec = ''").fetchone()[0] == 3  # one spec stored
+    loaded = store.jobs_in([JobState.HELD])
+    assert [j.array_task for j in loaded] == [1, 2, 3] and loaded[0].spec is loaded[2].spec
+    assert [t.state for t in loaded[0].history] == [JobState.PENDING, JobState.HELD]
+    assert (store.task_job_id(array_id, 2), store.task_job_id(array_id, 9)) == (4, None)
+    assert (store.submit_key(1, "k1"), store.submit_key(1, "k2"), store.submit_key(2, "k1")) == (1, 2, None)
+    assert store.array_counts([array_id]) == {array_id: {"HELD": 3}}
+    assert list(store.arrays()) == [array_id]  # it has unfinished tasks
+    for task in loaded:
+        store.transition(task, JobState.CANCELLED, now=5.0, reason="cancelled", ended_at=5.0)
+    assert list(store.arrays()) == []
+    # The array and its submit key go with its last task.
+    assert sorted(store.prune_finished(ended_before=10.0, keep=0, protect={3})) == [4, 5]
+    assert store.arrays([array_id]) and store.submit_key(1, "k2") == array_id
+    assert store.prune_finished(ended_before=10.0, keep=0) == [3]
+    assert not store.arrays([array_id]) and store.submit_key(1, "k2") is None
     store.close()

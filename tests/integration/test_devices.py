@@ -122,7 +122,12 @@ def test_fatal_xid_requeues_a_requeue_job(daemon: DaemonHandle) -> None:
         wait_until(lambda: running(c, job_id), what="running")
         first_gpu = gpu_of(c, job_id)
         c.call(SimInjectXidRequest(gpu=first_gpu, xid=48), SimResult)
-        wait_until(lambda: running(c, job_id) and gpu_of(c, job_id) != first_gpu, what="restarted elsewhere")
+        def restarted() -> bool:  # one read: state and GPU of the same moment (two reads raced a requeue)
+            job = c.call(ShowRequest(job_id=job_id), ShowResult).job
+            return job.state is JobState.RUNNING and job.allocation is not None \
+                and job.allocation.devices[0].gpu_index != first_gpu
+
+        wait_until(restarted, what="restarted elsewhere")
         states = [t.state for t in c.call(ShowRequest(job_id=job_id), ShowResult).job.history]
         assert states[-4:] == [JobState.PREEMPTED, JobState.PENDING, JobState.STARTING, JobState.RUNNING]
         c.call(CancelRequest(job_ids=[job_id]), CancelResult)

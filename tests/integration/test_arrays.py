@@ -1,0 +1,240 @@
+"""Job arrays end to end: the real CLI and daemon, real task processes, restarts.
+
+`submit --array` creates one array and its tasks in one request; each task sees its index in
+GPUSCHED_ARRAY_TASK_ID; `%MAX` keeps at most MAX of them queued or running (checked through the
+tasks' states, never through timing); `cancel` takes the whole array or one task; a restart keeps
+the array, its tasks and its %MAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gpusched.model import ACTIVE_STATES, JobSpec, JobState, WholeRequest
+from gpusched.protocol import (
+    QueueRequest,
+    QueueResult,
+    ShowRequest,
+    ShowResult,
+    SubmitRequest,
+    SubmitResult,
+)
+from gpusched_cli.main import cli
+from tests.conftest import DaemonHandle, wait_until
+from tests.integration.test_identity import as_user
+
+OTHER_UID = 23457
+
+
+@pytest.fixture
+def node(daemon_factory: Callable[..., DaemonHandle]) -> DaemonHandle:
+    return daemon_factory(sim="H100-80GB:4")
+
+
+def gs(node: DaemonHandle, *args: str) -> Result:
+    return CliRunner().invoke(cli, ["--socket", node.socket, *args], catch_exceptions=False)
+
+
+def submit_array(node: DaemonHandle, spec: str, *command: str) -> int:
+    result = gs(node, "submit", "--json", "--gpus", "1", "--array", spec, "--", *command)
+    assert result.exit_code == 0, result.output
+    reply = json.loads(result.stdout)
+    return int(reply["job_id"])
+
+
+def tasks(node: DaemonHandle) -> dict[int, Any]:
+    """Task index -> summary, for the (single) array on the node."""
+    with node.client() as c:
+        rows = c.call(QueueRequest(all=True, array_tasks=True), QueueResult).jobs
+    return {r.array_task: r for r in rows if r.array_task is not None}
+
+
+def states(node: DaemonHandle) -> dict[int, JobState]:
+    return {i: r.state for i, r in tasks(node).items()}
+
+
+# ---- submission and errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ("5-1", "ends before it starts"),
+    ("1-10:0", "step must be at least 1"),
+    ("x", "is not an index or a range"),
+    ("1-4%0", "at least one task"),
+    ("", "is empty"),
+])
+def test_bad_array_spec_is_refused_by_the_client_naming_the_flag(node: DaemonHandle, spec: str, needle: str) -> None:
+    result = gs(node, "submit", "--gpus", "1", "--array", spec, "--", "true")
+    assert result.exit_code == 2, result.output
+    assert "--array" in result.stderr and needle in result.stderr
+
+
+def test_bad_array_spec_is_refused_by_the_daemon_naming_the_field(node: DaemonHandle) -> None:
+    spec = JobSpec(argv=["true"], cwd="/tmp", request=WholeRequest(gpus=1))
+    with node.client() as c:
+        reply = c.raw_call({"op": "submit", "spec": spec.model_dump(mode="json"), "array": "3-1"})
+        assert reply["error"]["code"] == "bad_request" and reply["error"]["message"].startswith("array:")
+        assert c.call(QueueRequest(), QueueResult).jobs == []  # the daemon keeps serving, nothing queued
+
+
+def test_array_bigger_than_max_array_size_is_refused(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    node = daemon_factory(max_array_size=5)
+    result = gs(node, "submit", "--gpus", "1", "--array", "1-6", "--", "true")
+    assert result.exit_code == 8, result.output  # limit_exceeded
+    assert "max_array_size" in result.stderr and "6 tasks" in result.stderr
+    assert submit_array(node, "1-5", "true") > 0
+
+
+def test_each_task_counts_against_max_pending_per_user(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    node = daemon_factory(max_pending_per_user=5)
+    spec = JobSpec(argv=["true"], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=WholeRequest(gpus=1))
+    message = {"op": "submit", "spec": spec.model_dump(mode="json"), "hold": True}
+    too_many, fits, one_more = as_user(OTHER_UID, node.socket, {**message, "array": "1-6"},
+                                       {**message, "array": "1-5"}, message)
+    assert too_many["error"]["code"] == "limit_exceeded" and "6 tasks" in too_many["error"]["message"]
+    assert fits["ok"] and fits["result"]["tasks"] == 5
+    assert one_more["error"]["code"] == "limit_exceeded"
+
+
+def test_ten_thousand_tasks_are_one_request_and_one_queue_row(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-10000%4", "sleep", "60")
+    result = gs(node, "queue", "--json")
+    listing = json.loads(result.stdout)
+    assert listing["jobs"] == []
+    [row] = listing["arrays"]
+    assert (row["id"], row["spec"], row["tasks"], row["max_running"]) == (array_id, "1-10000%4", 10000, 4)
+    assert sum(row["states"].values()) == 10000
+    text = gs(node, "queue").stdout
+    assert f"{array_id}_[1-10000%4]" in text and len(text.splitlines()) == 2  # the header and one row
+    with node.client() as c:
+        assert c.call(ShowRequest(job_id=array_id, task=10000), ShowResult).job.array_task == 10000
+
+
+# ---- what a task sees --------------------------------------------------------------------------
+
+
+def test_each_task_sees_its_index_in_the_environment(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "0-8:4", "sh", "-c", "echo $GPUSCHED_ARRAY_JOB_ID $GPUSCHED_ARRAY_TASK_ID "
+                            "$GPUSCHED_ARRAY_TASK_MIN $GPUSCHED_ARRAY_TASK_MAX $GPUSCHED_ARRAY_TASK_COUNT "
+                            "$GPUSCHED_ARRAY_TASK_STEP")
+    wait_until(lambda: set(states(node).values()) == {JobState.COMPLETED}, timeout=30, what="all tasks completed")
+    for task in (0, 4, 8):
+        logs = gs(node, "logs", f"{array_id}_{task}")
+        assert logs.exit_code == 0, logs.output
+        assert logs.stdout == f"{array_id} {task} 0 8 3 4\n"
+    shown = gs(node, "show", f"{array_id}_4").stdout
+    assert f"= {array_id}_4" in shown and "GPUSCHED_ARRAY_TASK_ID=4" in shown
+    assert gs(node, "logs", f"{array_id}_5").exit_code == 4  # no task 5 in 0-8:4
+    plain = gs(node, "logs", str(array_id))
+    assert plain.exit_code == 4 and f"{array_id}_0" in plain.stderr  # says how to name a task
+
+
+# ---- %MAX ------------------------------------------------------------------------------------------
+
+
+def test_percent_max_caps_running_tasks_lowest_first(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-6%2", "sleep", "60")  # 4 GPUs: only %2 keeps the others waiting
+    wait_until(lambda: [i for i, s in states(node).items() if s in ACTIVE_STATES] == [1, 2], what="tasks 1, 2 run")
+    assert {i: s for i, s in states(node).items() if i > 2} == dict.fromkeys(range(3, 7), JobState.PENDING)
+    assert gs(node, "cancel", f"{array_id}_1").exit_code == 0
+    wait_until(lambda: [i for i, s in states(node).items() if s in ACTIVE_STATES] == [2, 3], what="task 3 runs")
+    # Held tasks free their place too, and a released one waits for a place again.
+    assert gs(node, "hold", *(str(tasks(node)[i].id) for i in (4, 5))).exit_code == 0
+    assert gs(node, "cancel", f"{array_id}_2").exit_code == 0
+    wait_until(lambda: [i for i, s in states(node).items() if s is JobState.RUNNING] == [3, 6], what="task 6 runs")
+    assert gs(node, "release", str(tasks(node)[4].id)).exit_code == 0
+    assert states(node)[4] is JobState.PENDING
+    with node.client() as c:
+        [row] = c.call(QueueRequest(), QueueResult).arrays
+    assert row.states == {"CANCELLED": 2, "HELD": 1, "PENDING": 1, "RUNNING": 2} and row.pending == "4-5"
+
+
+def test_restart_keeps_the_array_its_tasks_and_its_cap(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-5%1", "sleep", "60")
+    wait_until(lambda: states(node)[1] is JobState.RUNNING, what="task 1 running")
+    node.restart()
+    assert states(node) == {1: JobState.RUNNING, **dict.fromkeys(range(2, 6), JobState.PENDING)}
+    assert gs(node, "cancel", f"{array_id}_1").exit_code == 0
+    wait_until(lambda: states(node)[2] is JobState.RUNNING, what="task 2 running after task 1 ended")
+    assert [s for s in states(node).values() if s in ACTIVE_STATES] == [JobState.RUNNING]
+    shown = gs(node, "show", str(array_id))
+    assert shown.exit_code == 0 and f"array {array_id}_[1-5%1]: 5 tasks, at most 1 at once" in shown.stdout
+
+
+# ---- cancel -----------------------------------------------------------------------------------------
+
+
+def test_cancel_one_task_then_the_whole_array(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1,3,5-7", "sleep", "60")
+    assert sorted(tasks(node)) == [1, 3, 5, 6, 7]
+    result = gs(node, "cancel", f"{array_id}_3")
+    assert result.exit_code == 0 and f"Cancelled job {tasks(node)[3].id}" in result.stdout
+    wait_until(lambda: states(node)[3] is JobState.CANCELLED, what="task 3 cancelled")
+    assert JobState.CANCELLED not in [s for i, s in states(node).items() if i != 3]
+    result = gs(node, "cancel", str(array_id))
+    assert result.exit_code == 0 and f"Array {array_id}" in result.stdout
+    wait_until(lambda: set(states(node).values()) == {JobState.CANCELLED}, what="every task cancelled")
+    assert gs(node, "cancel", f"{array_id}_9").exit_code == 4  # no such task: nothing cancelled, exit 4
+
+
+def test_another_user_may_not_cancel_an_array(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-3", "sleep", "60")
+    [reply] = as_user(OTHER_UID, node.socket, {"op": "cancel", "job_ids": [array_id]})
+    assert reply["error"]["code"] == "permission_denied"
+    assert JobState.CANCELLED not in states(node).values()
+
+
+def test_hold_at_submission_holds_every_task(node: DaemonHandle) -> None:
+    spec = JobSpec(argv=["true"], cwd="/tmp", request=WholeRequest(gpus=1))
+    with node.client() as c:
+        made = c.call(SubmitRequest(spec=spec, hold=True, array="1-3"), SubmitResult)
+    assert made.tasks == 3 and made.state is JobState.HELD
+    assert set(states(node).values()) == {JobState.HELD}
+    assert os.path.exists(node.state_dir)
+
+
+def test_queue_all_lists_finished_arrays_without_crowding_out_other_jobs(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-5", "true")
+    wait_until(lambda: set(states(node).values()) == {JobState.COMPLETED}, timeout=30, what="the array completed")
+    plain = [json.loads(gs(node, "submit", "--json", "--gpus", "1", "--", "true").stdout)["job_id"] for _ in range(2)]
+    with node.client() as c:
+        wait_until(lambda: not c.call(QueueRequest(), QueueResult).jobs, timeout=30, what="the plain jobs ended")
+        listing = c.call(QueueRequest(all=True, limit=2), QueueResult)
+    assert [j.id for j in listing.jobs] == plain  # the array's 5 finished tasks do not take the 2 rows
+    [row] = listing.arrays
+    assert (row.id, row.states, row.pending) == (array_id, {"COMPLETED": 5}, "")
+
+
+def test_tasks_changed_before_the_hand_over_reach_the_scheduler_once_and_as_they_are_now(
+    daemon: DaemonHandle,
+) -> None:
+    """The scheduler gets an array's tasks a chunk at a time after the answer; a task cancelled, or
+    held and released, in between must end up queued exactly as its state says."""
+    import asyncio
+
+    assert daemon.daemon is not None and daemon.loop is not None
+    engine = daemon.daemon.engine
+    spec = JobSpec(argv=["sleep", "60"], cwd="/tmp", request=WholeRequest(gpus=2))
+
+    async def scenario() -> tuple[list[int], set[int], int]:
+        await engine.submit(uid=0, gid=0, user="root", spec=spec)  # holds both GPUs: nothing else starts
+        made = await engine.submit(uid=0, gid=0, user="root", spec=spec, array="1-1200")
+        ids = engine.store.task_ids(made.job_id)
+        pending_handover = len(engine._handing)
+        assert await engine.cancel(engine.jobs[ids[0]], "cancelled")
+        assert engine.hold(engine.jobs[ids[700]], "held") is None
+        assert engine.release(engine.jobs[ids[700]], "released") is None
+        assert engine.hold(engine.jobs[ids[1100]], "held") is None
+        while engine._handing:
+            await asyncio.sleep(0)
+        return ids, engine.scheduler.queue.job_ids(), pending_handover
+
+    ids, queued, pending_handover = asyncio.run_coroutine_threadsafe(scenario(), daemon.loop).result(30)
+    assert pending_handover == 1200  # the answer came before any task reached the scheduler
+    assert queued == set(ids) - {ids[0], ids[1100]}
