@@ -34,7 +34,6 @@ from gpusched.wire import frame_length as frame_length
 from gpusched.wire import socket_candidates as socket_candidates
 from gpusched.wire import user_socket as user_socket
 
-
 TaskIndex = Annotated[int, Field(ge=0, le=MAX_TASK_INDEX)]
 
 

@@ -1,0 +1,284 @@
+"""The engine's shared state and its bookkeeping: every job transition (`_set`), the queues' mirrors,
+stopping running jobs, waking the loop.
+
+The other parts of the engine (requests, devices, preemption, recovery) are mixins over this class;
+engine.py composes them with the pass. Nothing here decides anything: it records and carries out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gpusched.config import DaemonConfig
+from gpusched.core.scheduler import Scheduler
+from gpusched.daemon.arrays import Arrays
+from gpusched.daemon.cgroups import CgroupManager
+from gpusched.daemon.checkpointing import Checkpoints
+from gpusched.daemon.counters import Metrics
+from gpusched.daemon.devices import DeviceManager
+from gpusched.daemon.executor import Executor
+from gpusched.daemon.groupcommit import GroupCommit
+from gpusched.daemon.jobmap import job_mapping, write_job_mapping
+from gpusched.daemon.launch import Launcher
+from gpusched.daemon.recovery import StopRequest, path_to
+from gpusched.daemon.store import Store
+from gpusched.gpu.backend import GpuBackend, Inventory
+from gpusched.model import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    Dependency,
+    Job,
+    JobState,
+)
+
+log = logging.getLogger("gpusched.engine")
+
+
+class EngineCore:
+    """The engine's state and the primitives every part of it uses."""
+
+    # Set by Engine.__init__ (engine.py); declared here so every part of the engine is typed alike.
+    config: DaemonConfig
+    store: Store
+    backend: GpuBackend
+    executor: Executor
+    scheduler: Scheduler
+    clock: Callable[[], float]
+    cgroups: CgroupManager | None
+    cgroup_note: str
+    metrics: Metrics
+    devices: DeviceManager
+    launcher: Launcher
+    checkpoints: Checkpoints
+    jobs: dict[int, Job]
+    inventory: Inventory
+    arrays: Arrays
+    commits: GroupCommit
+    passes: int
+    shutting_down: bool
+    _yielded: set[int]
+    _history_saved_at: float
+    _wake: asyncio.Event
+    _changed: asyncio.Condition
+    _notify_pending: bool
+    _stops: dict[int, StopRequest]
+    _final_states: dict[int, JobState]
+    _active: set[int]
+    _waiting_by_uid: dict[int, int]
+    _waiting_bytes_by_uid: dict[int, int]
+    _submit_tokens: dict[int, tuple[float, float]]
+    _awaiting_deps: set[int]
+    _held_with_deps: set[int]
+    _kill_timers: dict[int, asyncio.TimerHandle]
+    _requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]]
+    _handing: set[int]
+    _tasks: set[asyncio.Task[None]]
+    _loop_task: asyncio.Task[None] | None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def get(self, job_id: int) -> Job | None:
+        return self.jobs.get(job_id) or self.store.get(job_id)
+
+    def active_jobs(self) -> list[Job]:
+        """STARTING / RUNNING / SUSPENDED jobs, from the index (never a scan of the whole queue)."""
+        return [self.jobs[i] for i in sorted(self._active) if i in self.jobs]
+
+    @property
+    def _incremental(self) -> bool:
+        return bool(getattr(self.scheduler, "incremental", False))
+
+    def share_modes(self) -> dict[str, str]:
+        """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared."""
+        modes: dict[str, str] = {}
+        for gpu in self.inventory.gpus:
+            gpu_config = self.config.gpus.get(str(gpu.index))
+            if gpu_config is not None and gpu_config.share != "exclusive":
+                modes[gpu.uuid] = gpu_config.share
+                modes.update((i.uuid, gpu_config.share) for i in gpu.instances)
+        return modes
+
+    def dynamic_gpus(self) -> frozenset[int]:
+        return frozenset(int(k) for k, g in self.config.gpus.items() if g.mig == "dynamic")
+
+    def _dependency_status(self, dep: Dependency) -> bool | None:
+        """True when met, False when it can never be met, None while the other job has not ended."""
+        other = self.jobs.get(dep.job_id)
+        if other is not None:
+            return None  # unfinished jobs live in self.jobs
+        final = self._final_states.get(dep.job_id)
+        if final is None:
+            ended = self.store.get(dep.job_id)
+            if ended is None:
+                return False
+            final = self._final_states[dep.job_id] = ended.state
+        return dep.condition == "any" or final is JobState.COMPLETED
+
+    def _enqueue(self, job: Job) -> None:
+        """A job became PENDING: the scheduler gets it once its dependencies are met (and, for a task of
+        an array with %MAX, once fewer than MAX of its array's tasks are queued or running)."""
+        if not self.arrays.admit(job) or not self._incremental:
+            return
+        if self._ready(job):
+            self._awaiting_deps.discard(job.id)
+            self.scheduler.submit(job)
+        else:
+            self._awaiting_deps.add(job.id)
+
+    def _ready(self, job: Job) -> bool:
+        return all(self._dependency_status(d) for d in job.spec.after)
+
+    def _release_met_dependencies(self) -> None:
+        for job_id in sorted(self._awaiting_deps):
+            job = self.jobs.get(job_id)
+            if job is None or job.state is not JobState.PENDING:
+                self._awaiting_deps.discard(job_id)
+            elif self._ready(job):
+                self._enqueue(job)
+
+    def _request_stop(self, job: Job, stop: StopRequest) -> None:
+        """SIGTERM the job's process group now, SIGKILL after the grace period."""
+        if job.id in self._kill_timers:
+            return
+        self._stops[job.id] = stop
+        self._persist_stops()
+        self._signal_stop(job)
+
+    def _signal_stop(self, job: Job) -> None:
+        """Carry out a recorded stop once the job has a pid (a STARTING job gets it when it runs)."""
+        if job.pid and job.id not in self._kill_timers:
+            if job.state in (JobState.SUSPENDED, JobState.STARTING):
+                # A stopped job cannot handle SIGTERM (one stopped by its user before its exec neither).
+                self.executor.signal(job.pid, signal.SIGCONT)
+            self.executor.signal(job.pid, signal.SIGTERM)
+            loop = asyncio.get_running_loop()
+            self._kill_timers[job.id] = loop.call_later(self.config.kill_grace_s, self._kill_hard, job.id, job.pid)
+
+    def _kill_hard(self, job_id: int, pid: int) -> None:
+        """The grace period is over: SIGKILL the process group, and the cgroup for anything that escaped it."""
+        self.executor.signal(pid, signal.SIGKILL)
+        if self.cgroups is not None:
+            self.cgroups.kill(job_id)
+
+    def _persist_stops(self) -> None:
+        self.store.set_meta(
+            "stop_requests", json.dumps({str(k): [v.final.value, v.reason] for k, v in self._stops.items()})
+        )
+
+    def _end(self, job: Job, final: JobState, reason: str, **fields: object) -> Job:
+        """Move a job to `final` by legal steps (a STARTING job that ran passes through RUNNING)."""
+        if job.state in TERMINAL_STATES:
+            return job
+        steps = path_to(job.state, final)
+        for state in steps[:-1]:
+            job = self._set(job, state, "ran (recorded after the fact)")
+        if steps[-1] is not final:
+            reason = f"{reason} (ended {steps[-1]}: no way from {job.state} to {final})"
+        return self._set(job, steps[-1], reason, **fields)
+
+    def _cleanup(self, job_id: int) -> None:
+        """Forget a job's stop request and timers, and give back its MPS share and cgroup."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            for uuid in self.launcher.idle_mps(job, self.active_jobs()):
+                self._spawn(self.launcher.stop_mps(uuid, job.uid))  # a later share restarts it
+        timer = self._kill_timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self._stops.pop(job_id, None) is not None:
+            self._persist_stops()
+        if self.cgroups is not None:
+            self.cgroups.kill(job_id)  # anything that left the job's session still dies with the job
+            if not self.cgroups.remove(job_id):
+                log.warning("job %d: cgroup %s still has processes; left in place", job_id,
+                            self.cgroups.job_path(job_id))
+
+    def _set(self, job: Job, state: JobState, reason: str, **fields: object) -> Job:
+        updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
+        self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
+        if state in TERMINAL_STATES:
+            self.jobs.pop(job.id, None)
+            observe = getattr(self.scheduler, "observe_end", None)
+            if job.state in ACTIVE_STATES and callable(observe):
+                observe(updated)  # its run time teaches the estimates (core/estimate.py)
+        else:
+            self.jobs[job.id] = updated
+        log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        if state in ACTIVE_STATES:
+            self._active.add(job.id)
+        else:
+            self._active.discard(job.id)
+        if state is JobState.HELD and job.spec.after:
+            self._held_with_deps.add(job.id)
+        else:
+            self._held_with_deps.discard(job.id)
+        if (state in WAITING_STATES) != (job.state in WAITING_STATES):
+            self._count_waiting(job, 1 if state in WAITING_STATES else -1)
+        if state is JobState.PENDING and job.state is not JobState.PENDING:
+            self._enqueue(updated)  # submitted, released, or requeued after preemption
+        elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
+            self._awaiting_deps.discard(job.id)
+            self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
+        if job.id in self._yielded and state is not JobState.SUSPENDED:
+            self._set_yielded(job.id, False)  # resumed, continued by a signal, or ended
+        if state in TERMINAL_STATES and job.id in self.checkpoints.pinned:
+            self.checkpoints.forget(job.id)
+            self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
+        if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
+            self._write_job_mapping()
+        if job.array_id is not None and (state in TERMINAL_STATES or state is JobState.HELD):
+            for freed in self.arrays.leave(updated, ended=state in TERMINAL_STATES):  # %MAX: the next task may go
+                if freed in self.jobs:
+                    self._enqueue(self.jobs[freed])
+        self._notify()
+        return updated
+
+    def _set_yielded(self, job_id: int, on: bool) -> None:
+        if on == (job_id in self._yielded):
+            return
+        if on:
+            self._yielded.add(job_id)
+        else:
+            self._yielded.discard(job_id)
+        self.store.set_meta("yielded", json.dumps(sorted(self._yielded)))
+
+    def _count_waiting(self, job: Job, delta: int) -> None:
+        held = self.arrays.held_bytes(job)  # an array's tasks share one spec, and its bytes
+        size = self.store.compactor.spec_bytes(job.spec) if held is None else held
+        for counts, step in ((self._waiting_by_uid, delta), (self._waiting_bytes_by_uid, delta * size)):
+            count = counts.get(job.uid, 0) + step
+            if count > 0:
+                counts[job.uid] = count
+            else:
+                counts.pop(job.uid, None)
+
+    def _write_job_mapping(self) -> None:
+        if self.config.job_mapping_dir is None:
+            return
+        active = self.active_jobs()
+        try:
+            write_job_mapping(self.config.job_mapping_dir, job_mapping(self.inventory.gpus, active))
+        except OSError as exc:
+            log.warning("cannot write job mapping files in %s: %s", self.config.job_mapping_dir, exc)
+
+    def _notify(self) -> None:
+        if not self._notify_pending:  # one wake-up of the watchers covers every change made before it runs
+            self._notify_pending = True
+            self._spawn(self._notify_all())
+
+    async def _notify_all(self) -> None:
+        self._notify_pending = False
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

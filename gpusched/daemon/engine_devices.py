@@ -1,0 +1,146 @@
+"""The engine's side of the GPUs: inventory, XID events and drains, MIG layouts and MIG mode."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gpusched.core.migplan import LayoutChange
+from gpusched.core.scheduler import SetMigMode
+from gpusched.daemon.devices import DeviceError, simulator_of
+from gpusched.daemon.engine_core import EngineCore
+from gpusched.daemon.recovery import StopRequest
+from gpusched.gpu.backend import GpuError, XidEvent
+from gpusched.gpu.health import HealthAction
+from gpusched.model import (
+    Event,
+    JobState,
+)
+
+log = logging.getLogger("gpusched.engine")
+
+
+class DevicesMixin(EngineCore):
+    """GPU inventory, health events and MIG changes."""
+
+    async def refresh_inventory(self) -> None:
+        try:
+            self.inventory = await asyncio.to_thread(self.backend.inventory)
+        except GpuError as exc:
+            log.error("cannot read GPU inventory: %s", exc.message)
+        self.checkpoints.driver_version = self.inventory.driver_version or None  # r550+ for cuda-checkpoint
+
+    def _on_gpu_event(self, event: XidEvent) -> None:
+        """An XID (or a lost GPU) from the driver: apply the policy to the jobs on those devices."""
+        now = self.clock()
+        self.metrics.record_xid(event.gpu_index, event.xid)
+        decision = self.devices.on_event(event, self.inventory, now)
+        hit = set(decision.devices)
+        for job in self.active_jobs():
+            if job.allocation is None or not hit & set(job.allocation.uuids):
+                continue
+            self.store.add_event(Event(at=now, kind=decision.action.value, message=decision.reason,
+                                       gpu=event.gpu_index, job_id=job.id))
+            if decision.action is HealthAction.DRAIN:
+                final = JobState.PREEMPTED if job.spec.requeue else JobState.FAILED
+                self._request_stop(job, StopRequest(final, decision.reason))
+        if event.lost:
+            self._spawn(self.refresh_inventory())
+        self._notify()  # watchers (gpusched top) show the event
+        self.wake()
+
+    def drain(self, device: str, reason: str) -> list[str]:
+        return self.devices.drain(device, reason, self.inventory, self.clock())
+
+    def resume_device(self, device: str, who: str) -> list[str]:
+        resumed = self.devices.resume(device, self.inventory, self.clock(), who)
+        self.wake()
+        return resumed
+
+    def busy_devices(self) -> dict[str, int]:
+        """Device UUID -> the job holding it."""
+        return {uuid: j.id for j in self.active_jobs() if j.allocation
+                for uuid in j.allocation.uuids}
+
+    async def apply_mig_layout(
+        self, gpu_index: int, layout: list[str], dry_run: bool
+    ) -> tuple[LayoutChange, list[str]]:
+        """Plan (and unless `dry_run`, carry out) a declarative MIG layout for one GPU."""
+        gpu = next((g for g in self.inventory.gpus if g.index == gpu_index), None)
+        if gpu is None:
+            raise DeviceError(f"no GPU {gpu_index}")
+        if not gpu.mig_enabled:
+            raise DeviceError(f"GPU {gpu_index} is not in MIG mode; an administrator enables it with "
+                              f"`nvidia-smi -i {gpu_index} -mig 1` while the GPU is idle")
+        change = await asyncio.to_thread(self.devices.plan_layout, gpu, layout, self.busy_devices())
+        if change.error is not None or dry_run:
+            return change, []
+        try:
+            done = await asyncio.to_thread(self.devices.apply_layout, gpu, change, self.clock())
+            for _ in done:  # one entry per instance created or destroyed
+                self.metrics.record_mig_reconfiguration(gpu_index)
+        finally:
+            await self.refresh_inventory()
+            self.wake()
+        return change, done
+
+    async def apply_static_layouts(self) -> None:
+        """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed), and switch
+        simulated GPUs configured with any MIG setting into MIG mode."""
+        for key, gpu_config in sorted(self.config.gpus.items()):
+            if gpu_config.mig is None:
+                continue
+            index = int(key)
+            gpu = next((g for g in self.inventory.gpus if g.index == index), None)
+            if gpu is None:
+                log.error("config gpus.%s: there is no GPU %s", key, key)
+                continue
+            if not gpu.mig_enabled and simulator_of(self.backend) is not None:
+                await asyncio.to_thread(self.backend.set_mig_mode, index, True)  # a simulated GPU starts as told
+                await self.refresh_inventory()
+            if gpu_config.mig == "dynamic":
+                continue  # the scheduler plans this GPU's layout from demand
+            try:
+                change, done = await self.apply_mig_layout(index, gpu_config.mig, dry_run=False)
+            except (DeviceError, GpuError) as exc:
+                log.error("config gpus.%s.mig: %s", key, getattr(exc, "message", str(exc)))
+                continue
+            if change.error is not None:
+                log.error("config gpus.%s.mig: %s", key, change.error)
+            for line in done:
+                log.info("GPU %d: %s", index, line)
+
+    async def _set_mig_mode(self, action: SetMigMode) -> None:
+        """Switch an idle dynamic GPU's MIG mode; the driver may leave it pending (a process appeared,
+        or a reset is needed): that is logged and recorded, and the scheduler sees the real mode."""
+        index, word = action.gpu_index, "on" if action.enabled else "off"
+        if any(j.allocation is not None and any(d.gpu_index == index for d in j.allocation.devices)
+               for j in self.active_jobs()):
+            log.warning("GPU %d: MIG mode %s skipped: a job holds it now", index, word)
+            return
+        try:
+            change = await asyncio.to_thread(self.backend.set_mig_mode, index, action.enabled)
+        except GpuError as exc:
+            log.warning("GPU %d: MIG mode %s failed: %s", index, word, exc.message)
+            change = None
+        await self.refresh_inventory()
+        if change is not None:
+            done = change.current == action.enabled and not change.pending
+            message = f"MIG mode {word}: {action.reason}" if done else \
+                f"MIG mode {word} requested, not in effect: {change.detail or 'pending'} ({action.reason})"
+            self.metrics.record_mig_reconfiguration(index)
+            self.store.add_event(Event(at=self.clock(), kind="mig_mode", gpu=index, message=message))
+        self.wake()
+
+    async def _gpu_call(self, fn: Callable[..., object], *args: object) -> bool:
+        """Run a blocking backend call off the loop; False (logged) if the driver refused."""
+        ok = True
+        try:
+            await asyncio.to_thread(fn, *args)
+        except GpuError as exc:
+            ok = False
+            log.warning("%s%r failed: %s", getattr(fn, "__name__", "gpu call"), args, exc.message)
+        await self.refresh_inventory()
+        self.wake()
+        return ok

@@ -1,0 +1,83 @@
+"""Preemption that loses no work, carried out: a share suspended in place (SIGSTOP), a whole-GPU
+job checkpointed with cuda-checkpoint and restored on its GPU (daemon/checkpointing.py).
+
+Requeue preemption needs nothing here: it is a stop request (engine_core)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from gpusched.daemon.engine_core import EngineCore
+from gpusched.daemon.launch import cuda_pids
+from gpusched.daemon.recovery import StopRequest
+from gpusched.gpu.checkpoint import CheckpointError
+from gpusched.model import (
+    Event,
+    Job,
+    JobState,
+)
+
+log = logging.getLogger("gpusched.engine")
+
+
+class PreemptionMixin(EngineCore):
+    """Suspend-in-place, checkpoint and restore."""
+
+    def _yield(self, job: Job, reason: str) -> None:
+        """Preempt a share by suspending it in place (SIGSTOP): it keeps its GPU memory and MPS slot,
+        gives up its compute, and continues on a ResumeJob. Nothing is lost."""
+        if job.state is not JobState.RUNNING or not job.pid or job.id in self._stops:
+            self.scheduler.preempt_failed(job.id)
+            return
+        self._set_yielded(job.id, True)
+        self.executor.signal(job.pid, signal.SIGSTOP)
+        self._set(job, JobState.SUSPENDED, reason)
+
+    async def _checkpoint(self, job: Job, reason: str) -> None:
+        """Preempt by checkpoint (daemon/checkpointing.py): the job keeps its processes and its work,
+        gives up its GPU, and waits pinned to it. Any failure leaves it running where it was."""
+        why_not = self.checkpoints.why_not(job)
+        if why_not is None and job.id in self._stops:
+            why_not = "job is being stopped"
+        if why_not is None:
+            try:
+                pids = await asyncio.to_thread(cuda_pids, self.backend, job)
+                await self.checkpoints.checkpoint(job, pids)
+            except CheckpointError as exc:
+                why_not = f"{exc.message} (its CUDA state: {exc.state or 'unknown'})"
+        current = self.jobs.get(job.id)
+        if why_not is None and (current is None or current.state is not JobState.RUNNING):
+            why_not = "it changed state while being checkpointed"  # it ended; its end releases the GPU
+            self.checkpoints.forget(job.id)
+        if why_not is not None or current is None:
+            log.warning("job %d: not preempted by checkpoint: %s", job.id, why_not)
+            self.store.add_event(Event(at=self.clock(), kind="checkpoint_failed", job_id=job.id,
+                                       message=f"not checkpointed, runs on: {why_not}"))
+            self.scheduler.preempt_failed(job.id)
+            self.wake()
+            return
+        current = self._set(current, JobState.SUSPENDED, reason, allocation=None)
+        self.scheduler.pin(current.id, self.checkpoints.pinned[current.id])
+        self.scheduler.submit(current)
+        self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
+                                   message=f"checkpointed; its GPU state waits in host memory: {reason}"))
+        self.wake()
+
+    async def _restore(self, job: Job) -> None:
+        """Give a checkpointed job its GPU state back on the devices it was given (the pinned ones)."""
+        try:
+            await self.checkpoints.restore(job)
+        except CheckpointError as exc:
+            current = self.jobs.get(job.id)
+            if current is not None and current.state is JobState.SUSPENDED:
+                final = JobState.PREEMPTED if current.spec.requeue else JobState.FAILED
+                self._request_stop(current, StopRequest(final, f"restore from checkpoint failed: {exc.message}"))
+            return
+        finally:
+            self.checkpoints.forget(job.id)
+        current = self.jobs.get(job.id)
+        if current is not None and current.state is JobState.SUSPENDED and current.id not in self._stops:
+            self._set(current, JobState.RUNNING, "restored from checkpoint on the devices that held its state")
+        self.wake()

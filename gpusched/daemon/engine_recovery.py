@@ -1,0 +1,187 @@
+"""Jobs the daemon did not start in this run, and jobs that must be stopped: the restart rules
+(daemon/recovery.py) applied to every unfinished job, adopted jobs polled, exits recorded, time
+limits, GPU-memory limits in timeslice mode, and jobs continued by someone else's SIGCONT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from gpusched.daemon.engine_core import EngineCore
+from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Trace
+from gpusched.daemon.launch import describe, gpu_memory_by_job
+from gpusched.daemon.procfs import is_running, session_states
+from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome
+from gpusched.model import (
+    TERMINAL_STATES,
+    Job,
+    JobState,
+)
+
+log = logging.getLogger("gpusched.engine")
+
+SUSPEND_SETTLE_S = 0.5  # how long after a suspend its SIGSTOP must show in /proc
+
+
+class RecoveryMixin(EngineCore):
+    """Restart rules, exits and the per-tick checks."""
+
+    def _poll_adopted(self) -> None:
+        """Jobs re-adopted after a restart are not our children: apply the restart rules each tick."""
+        for job in self.active_jobs():
+            if not self.executor.owns(job.id) and job.id not in self.launcher.in_flight:
+                self._recover_job(job)
+
+    async def _recover(self) -> None:
+        """Explicit restart rules (daemon/recovery.py) for every unfinished job; none can stop the start."""
+        launched = self.executor.launched()
+        for job in list(self.jobs.values()):
+            self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
+
+    def _recover_job(self, job: Job, trace: Trace | None = None) -> None:
+        """Apply the restart rule for one job; whatever goes wrong ends that job, never the daemon.
+        `trace`: what is known already (NEVER_LAUNCHED for a job with no directory at start-up)."""
+        try:
+            trace = trace or self.executor.inspect(job.id)
+            rule = decide(job.state, trace)
+            if rule.kill:
+                self.executor.kill_job(job.id)
+            if rule.verdict is Verdict.FINISH and trace.exit is not None:
+                if job.state is JobState.STARTING and trace.pid and not trace.exit.error:
+                    job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
+                self._finish(job.id, trace.exit)
+            elif rule.verdict is Verdict.ADOPT:
+                if job.state is JobState.STARTING:
+                    job = self._set(job, JobState.RUNNING, rule.reason, pid=trace.pid)
+                elif job.pid != trace.pid and trace.pid:
+                    job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
+                if job.id in self._stops:
+                    self._request_stop(job, self._stops[job.id])
+            elif rule.verdict is Verdict.REQUEUE:
+                if job.state is JobState.STARTING and not self.executor.revoke(job.id):
+                    return  # a shim took the launch after all: the next tick sees it run
+                self._set(job, JobState.PENDING, rule.reason, allocation=None, pid=None, started_at=None,
+                          ended_at=None, exit_code=None, signal=None)
+            elif rule.verdict is Verdict.LOST:
+                self._cleanup(job.id)
+                self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
+        except Exception as exc:
+            log.exception("job %d: recovery failed", job.id)
+            self._abandon(job.id, f"recovery failed: {describe(exc)}")
+
+    def _abandon(self, job_id: int, reason: str) -> None:
+        """The last resort for a job no rule could handle: kill what is left, end it LOST or FAILED."""
+        job = self.store.get(job_id) or self.jobs.get(job_id)
+        if job is None:
+            self.jobs.pop(job_id, None)
+            return
+        with contextlib.suppress(Exception):
+            self.executor.kill_job(job_id)
+            self._cleanup(job_id)
+        try:
+            self._end(job, fallback(job.state), reason, ended_at=self.clock())
+        except Exception:
+            log.exception("job %d: cannot record its end; no longer tracked", job_id)
+            self.jobs.pop(job_id, None)
+            self._active.discard(job_id)
+
+    def _finish(self, job_id: int, status: ExitStatus) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.state in TERMINAL_STATES:
+            return
+        stop = self._stops.get(job_id)
+        self._cleanup(job_id)
+        ended = status.ended_at or self.clock()
+        fields: dict[str, object] = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
+        final, reason = outcome(status, stop)
+        job = self._end(job, final, reason, **fields)
+        if job.state is JobState.PREEMPTED:
+            self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, pid=None,
+                      started_at=None, ended_at=None, exit_code=None, signal=None)
+        self.wake()
+
+    def _check_suspended(self) -> None:
+        """A SUSPENDED job's owner can SIGCONT it: a job that runs again is RUNNING, and its clock runs.
+
+        Checked from /proc (every process of the job's session stopped, or dead) a moment after the
+        suspend, so the SIGSTOP has certainly landed.
+        """
+        now = self.clock()
+        suspended = {j.pid: j for j in self.active_jobs() if j.state is JobState.SUSPENDED and j.pid
+                     and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S
+                     and j.id not in self.checkpoints.pinned}
+        for sid, states in session_states(suspended).items():
+            if is_running(states):
+                self._set(suspended[sid], JobState.RUNNING, "continued by a signal gpusched did not send while "
+                          "suspended; it runs again, and its time counts")
+
+    def _enforce_time_limits(self) -> None:
+        now = self.clock()
+        for job in self.active_jobs():
+            limit = job.spec.time_limit_s
+            if job.state is JobState.RUNNING and limit is not None and job.id not in self._stops \
+                    and run_seconds(job, now) > limit:
+                self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {limit:g}s reached"))
+
+    async def _watch_gpu_memory(self) -> None:
+        """In `timeslice` mode nothing in the hardware caps memory: end a job that uses more than it asked."""
+        modes = self.share_modes()
+        watched = [j for j in self.active_jobs() if j.state is JobState.RUNNING and j.allocation is not None
+                   and j.allocation.gpu_mem_mib is not None and j.id not in self._stops
+                   and any(modes.get(u) == "timeslice" for u in j.allocation.uuids)]
+        if not watched:
+            return
+        used = await asyncio.to_thread(gpu_memory_by_job, self.backend, watched)
+        for job in watched:
+            limit = job.allocation.gpu_mem_mib if job.allocation is not None else None
+            if limit is not None and used.get(job.id, 0) > limit:
+                reason = f"gpu_mem exceeded: its processes use {used[job.id]} MiB, over its --gpu-mem of {limit} MiB"
+                self._request_stop(job, StopRequest(JobState.FAILED, reason))
+
+
+def run_seconds(job: Job, now: float) -> float:
+    """Time the job has spent RUNNING in its current run (suspended time does not count)."""
+    total, since = 0.0, None
+    for t in job.history:
+        if t.state is JobState.RUNNING:
+            since = t.at
+        elif since is not None:
+            total += t.at - since
+            since = None
+        if t.state is JobState.PENDING:  # a requeue starts a new run
+            total, since = 0.0, None
+    if since is not None:
+        total += now - since
+    return total
+
+
+def _load_ids(saved: str | None) -> list[int]:
+    """A persisted list of job ids; anything else is dropped (logged), never fatal."""
+    try:
+        data = json.loads(saved) if saved else []
+    except ValueError:
+        data = None
+    if not isinstance(data, list):
+        log.error("saved job list %r is unreadable; dropped", (saved or "")[:200])
+        return []
+    return [i for i in data if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _load_stops(saved: str | None) -> dict[int, StopRequest]:
+    """The persisted stop requests; an unreadable entry is dropped (logged), never fatal."""
+    stops: dict[int, StopRequest] = {}
+    try:
+        entries = json.loads(saved) if saved else {}
+        items = entries.items() if isinstance(entries, dict) else []
+    except ValueError:
+        log.error("saved stop requests are unreadable; running jobs keep running")
+        items = []
+    for key, value in items:
+        try:
+            final, reason = value
+            stops[int(key)] = StopRequest(JobState(final), str(reason))
+        except (TypeError, ValueError):
+            log.error("saved stop request %r: %r is unreadable; dropped", key, value)
+    return stops
