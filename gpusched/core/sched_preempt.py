@@ -1,0 +1,171 @@
+"""Preemption and the interactive headroom: which victims to stop and how (core/preempt.py),
+shares suspended in place and continued, checkpointed jobs pinned to their GPUs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gpusched.core.actions import (
+    Action,
+    PreemptJob,
+    ResumeJob,
+    Snapshot,
+)
+from gpusched.core.interactive import choose_headroom
+from gpusched.core.placement import Cluster
+from gpusched.core.preempt import Candidate, choose_victims
+from gpusched.core.sched_core import SchedulerCore
+from gpusched.model import (
+    Allocation,
+    Job,
+)
+
+
+class PreemptionMixin(SchedulerCore):
+    """Victims, suspend/resume in place, pins, headroom."""
+
+    def pin(self, job_id: int, uuids: Iterable[str]) -> None:
+        """A checkpointed job (submitted like a pending one) resumes only on these devices: they hold
+        its state. For jobs checkpointed before a restart; a preemption in this scheduler pins itself."""
+        self._pinned[job_id] = frozenset(uuids)
+
+    def preempt_failed(self, job_id: int) -> None:
+        """The engine could not carry out a checkpoint preemption: the job runs on where it was. It is
+        not offered for checkpointing again (a requeue job may still be requeued)."""
+        self._preempting.pop(job_id, None)
+        self._pinned.pop(job_id, None)
+        self._no_checkpoint.add(job_id)
+
+    def _resume_yielded(self, cluster: Cluster, yielded: frozenset[int]) -> list[Action]:
+        """Shares suspended in place continue once the job they yielded to is no longer waiting and
+        their compute is free again, before anything new may take it (they hold their memory all
+        along), oldest suspension first."""
+        out: list[Action] = []
+        # Compute freed for a job that has not started yet is that job's: nothing on its device
+        # continues before it starts (another share stopped earlier would take it).
+        awaited = {u for jid in yielded if (w := self._yielded_for.get(jid)) is not None
+                   and self.queue.get(w) is not None for u in cluster.devices_of(jid)}
+        for jid in sorted(yielded, key=lambda j: (self._preempting.get(j, 0.0), j)):
+            self._preempting.pop(jid, None)  # carried out: the next preemption may be chosen
+            if awaited.intersection(cluster.devices_of(jid)):
+                continue
+            if cluster.paused(jid) and cluster.unpause(jid):
+                self._yielded_for.pop(jid, None)
+                out.append(ResumeJob(jid, "its compute is free again: continues where it stopped"))
+        return out
+
+    def _waiting_interactive(self, now: float) -> Job | None:
+        """The interactive job that has waited longest, if past `interactive_preempt_after_s`."""
+        bound = self.config.interactive_preempt_after_s
+        if bound is None or not self._interactive_pending:
+            return None
+        jid = min(self._interactive_pending, key=lambda j: (self._pending_since.get(j, now), j))
+        if now - self._pending_since.get(jid, now) < bound:
+            return None
+        return self.queue.get(jid)
+
+    def _resume_devices(self, alloc: Allocation, moves: bool) -> frozenset[str]:
+        """Where a checkpointed job may resume: its own GPUs, or (when the driver can map devices on
+        restore) any whole GPU of the same model."""
+        if not moves:
+            return frozenset(alloc.uuids)
+        models = {g.model for g in self._gpus if g.uuid in alloc.uuids}
+        return frozenset(g.uuid for g in self._gpus if g.model in models and not g.mig_enabled)
+
+    def _preempt(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
+                 checkpoint: bool, moves: bool = False) -> list[Action]:
+        """Preempt batch jobs of users above share so a long-waiting job fits (core/preempt.py).
+
+        For the fairness head (its freed devices go to it, not to a backfill job that would only be
+        preempted again) or an interactive job waiting past its bound. Checkpointable whole-GPU
+        jobs go first (nothing is lost), then `--requeue` jobs within their user's daily budget.
+        """
+        interactive = job.spec.job_class == "interactive"
+        since = self._pending_since.get(job.id, job.submitted_at)
+        waited = now - max(job.submitted_at, since)
+        if interactive:
+            bound = self.config.interactive_preempt_after_s
+            if bound is None or waited < bound:
+                return []
+        else:
+            bound = self.config.preempt_after_s
+            res = self._reservation
+            if bound is None or waited < bound or self.fair.lag(job.user) <= 0:
+                return []  # a batch job of a user at or above share waits its turn
+            if res is None or res.at - now <= self.config.preempt_min_gain_s:
+                return []  # running jobs will make room soon enough without losing work
+        my_lag = self.fair.lag(job.user)
+        margin = self.config.preempt_lag_margin_gpu_s
+        cap = self.config.preempt_max_per_job
+        cands: list[Candidate] = []
+        for jid, rec in self._active.items():
+            if (rec.user == job.user or jid not in cluster.held or rec.job.spec.job_class == "interactive"
+                    or (cap and self._times_preempted.get(jid, 0) >= cap)
+                    or self.fair.lag(rec.user) >= min(my_lag - margin, -margin)):
+                continue
+            whole = rec.alloc.share is None and all(d.kind == "gpu" for d in rec.alloc.devices)
+            lost = rec.fraction * (now - rec.started)
+            # For the head, a victim must have run preempt_min_run_s whatever the mode, or a job
+            # started in a pass is preempted in the same pass and the two swap places for ever.
+            # An interactive job's victims stand on its headroom, where no batch job starts anew.
+            if rec.started >= now or (not interactive and now - rec.started < self.config.preempt_min_run_s):
+                continue
+            share = rec.alloc.share is not None and rec.running
+            if share and self.config.preempt_suspend_shares and any(
+                    (d := cluster.devices.get(u)) is not None and d.shared for u in rec.alloc.uuids):
+                cands.append(Candidate(jid, "suspend", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+            elif checkpoint and whole and rec.running and jid not in self._no_checkpoint:
+                cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+            elif rec.requeue and self._budget.left(rec.user, now) >= lost:
+                cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
+        if not cands:
+            return []
+        # Whether any set of these victims makes room depends only on what is held, the waiting job
+        # and who may be stopped how: a search that found none is not repeated until one changes.
+        memo_key = (cluster.fingerprint(), job.id, reserved, tuple(sorted((c.job_id, c.mode) for c in cands)))
+        if self._no_victims == memo_key:
+            return []
+        victims = choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None)
+        if not victims:
+            self._no_victims = memo_key
+            return []
+        out: list[Action] = []
+        for cand in victims:
+            rec = self._active[cand.job_id]
+            self._preempting[cand.job_id] = now
+            self._times_preempted[cand.job_id] = self._times_preempted.get(cand.job_id, 0) + 1
+            if cand.mode == "checkpoint":
+                self._pinned[cand.job_id] = self._resume_devices(rec.alloc, moves)
+            elif cand.mode == "requeue":
+                self._budget.spend(rec.user, now, cand.lost_gpu_s)
+            else:
+                self._yielded_for[cand.job_id] = job.id
+            how = {"checkpoint": "checkpointed", "suspend": "suspended in place, keeps its GPU memory"}.get(
+                cand.mode, f"requeued, {cand.lost_gpu_s:.0f} GPU-s lost")
+            out.append(PreemptJob(cand.job_id, (
+                f"preempted ({how}) for job {job.id} ({job.user}, {job.spec.job_class}, waiting "
+                f"{waited:.0f} s); {rec.user} is {-self.fair.lag(rec.user) / 3600:.2f} GPU-h above share"),
+                cand.mode))
+        return out
+
+    def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
+        """Devices kept for interactive work this pass (core/interactive.py)."""
+        running = sum(rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive")
+        self._demand.observe(now, running + sum(self._interactive_pending.values()))
+        cap = min(self.config.interactive_headroom_gpus,
+                  math.floor(len(snapshot.gpus) * self.config.interactive_headroom_fraction + 1e-9))
+        n = self._demand.devices_needed(now, cap)
+        if n == 0:
+            self._headroom = frozenset()
+            return self._headroom
+        interactive_on = frozenset(u for rec in self._active.values() if rec.job.spec.job_class == "interactive"
+                                   for u in rec.alloc.uuids)
+        ends: dict[str, float] = {}
+        for jid, rec in self._active.items():
+            if jid in cluster.held:
+                end = self._expected_end(rec, now)
+                for u in rec.alloc.uuids:
+                    ends[u] = max(ends.get(u, 0.0), end)
+        self._headroom = choose_headroom(cluster, n, interactive_on, ends, snapshot.reserved_interactive)
+        return self._headroom

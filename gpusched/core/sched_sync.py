@@ -1,0 +1,86 @@
+"""Keeping the scheduler's view current: charging running jobs (start commitments, settlement at
+the end) and the idle timers of MIG instances and dynamic GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpusched.core.actions import (
+    Snapshot,
+    busy_uuids,
+)
+from gpusched.core.sched_core import (
+    SchedulerCore,
+    _Active,
+)
+from gpusched.model import (
+    ACTIVE_STATES,
+    Job,
+    JobState,
+)
+
+
+class SyncMixin(SchedulerCore):
+    """Charging and idle timers."""
+
+    def _sync_active(self, active: Iterable[Job], now: float) -> None:
+        """Charge every active job for the time since its last charge; settle jobs that ended."""
+        seen: set[int] = set()
+        touched: set[str] = set()
+        first = self._started_at_first_plan if self._started_at_first_plan is not None else now
+        for job in active:
+            if job.state not in ACTIVE_STATES or job.allocation is None:
+                continue
+            seen.add(job.id)
+            rec = self._active.get(job.id)
+            running = job.state is not JobState.SUSPENDED
+            if rec is None:  # started before this scheduler existed (restart) or outside it
+                started = job.started_at if job.started_at is not None else now
+                rec = _Active(job.user, job.uid, job.allocation.compute_fraction, max(started, first),
+                              running, job.spec.requeue, started, job, job.allocation, self.estimator.predict(job))
+                self._active[job.id] = rec
+                self._count_running(rec, +1)
+                touched.add(job.user)
+            if now > rec.last_charge:
+                if rec.running and self._accrue(rec, rec.fraction * (now - rec.last_charge)):
+                    touched.add(rec.user)  # v moved: the user's deadline did (within a commitment it does not)
+                rec.last_charge = now
+            if running != rec.running:
+                rec.running = running
+                touched.add(rec.user)
+        for jid in [j for j in self._active if j not in seen]:
+            rec = self._active.pop(jid)
+            if rec.running and now > rec.last_charge:
+                self._accrue(rec, rec.fraction * (now - rec.last_charge))
+            if rec.committed > rec.used:  # settle: refund what was committed and not used
+                self.fair.charge(rec.user, 0.0, virtual_gpu_s=rec.used - rec.committed)
+                self._outstanding(rec.user, rec.used - rec.committed)
+            self._count_running(rec, -1)
+            self._no_checkpoint.discard(jid)
+            self._yielded_for.pop(jid, None)
+            if self._preempting.pop(jid, None) is None:
+                self._times_preempted.pop(jid, None)  # ended for good
+            touched.add(rec.user)
+        for user in sorted(touched):  # sorted: replay must not depend on PYTHONHASHSEED
+            self._sync_user(user)
+
+    def _track_idle(self, snapshot: Snapshot, now: float) -> None:
+        """Remember since when each MIG instance has been idle (hysteresis for destroying it)."""
+        busy = busy_uuids(snapshot.active)
+        present: set[str] = set()
+        for gpu in snapshot.gpus:
+            for inst in gpu.instances:
+                present.add(inst.uuid)
+                if inst.uuid in busy:
+                    self._idle_since.pop(inst.uuid, None)
+                else:
+                    self._idle_since.setdefault(inst.uuid, now)
+        if len(self._idle_since) > len(present):
+            self._idle_since = {u: t for u, t in self._idle_since.items() if u in present}
+        for gpu in snapshot.gpus:
+            if gpu.index not in snapshot.dynamic:
+                continue
+            if gpu.uuid in busy or any(i.uuid in busy for i in gpu.instances):
+                self._gpu_idle_since.pop(gpu.index, None)
+            else:
+                self._gpu_idle_since.setdefault(gpu.index, now)
