@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 import click
 
+from gpusched.arrayspec import ArraySpecError, parse_job_ref
 from gpusched_cli import render
 from gpusched_cli.client import Client, resolve_socket
 
@@ -53,5 +54,24 @@ def write_verbatim(text: str) -> None:
     sys.stdout.buffer.flush()
 
 
-# The job-id arguments of cancel / suspend / resume / hold / release.
+# The job-id arguments of suspend / resume / hold / release.
 IDS = click.argument("job_ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID [ID]...")
+
+JobRef = tuple[int, int | None]  # (job or array id, task index or None)
+
+
+def _one_ref(ctx: click.Context, param: click.Parameter, value: str) -> JobRef:
+    """ID or ARRAY_TASK (`123_7`) -> (id, task or None); a bad one exits 2 naming the argument."""
+    try:
+        return parse_job_ref(value)
+    except ArraySpecError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def _many_refs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[JobRef]:
+    return [_one_ref(ctx, param, text) for text in value]
+
+
+# The job arguments of show / logs (one) and cancel (many): a job id, or an array task as `123_7`.
+REF = click.argument("ref", callback=_one_ref, metavar="ID|ARRAY_TASK")
+REFS = click.argument("refs", nargs=-1, required=True, callback=_many_refs, metavar="ID|ARRAY_TASK...")

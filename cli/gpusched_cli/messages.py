@@ -2,7 +2,9 @@
 
 Every field of the model is written, in the model's order and with its JSON type (`30.0`, not
 `30`), so the frame is byte for byte the one `Request(...).model_dump(mode="json")` gave before the
-client stopped importing pydantic. `tests/cli/test_messages.py` holds each builder to its model.
+client stopped importing pydantic. Members added in protocol 1.1 (arrays, request_id) are left out
+while unset, as the models leave them out (`exclude_if`), so a 1.0 daemon still reads every frame
+that does not use them. `tests/cli/test_messages.py` holds each builder to its model.
 The daemon still validates every request with the models (gpusched/protocol.py); range checks not
 made here are made there and come back as `bad_request` naming the field.
 """
@@ -18,8 +20,13 @@ def hello(version: str, client: str) -> Message:
     return {"op": "hello", "version": version, "client": client}
 
 
-def submit(spec: Message, hold: bool) -> Message:
-    return {"op": "submit", "spec": spec, "hold": hold}
+def submit(spec: Message, hold: bool, array: str | None = None, request_id: str | None = None) -> Message:
+    message: Message = {"op": "submit", "spec": spec, "hold": hold}
+    if array is not None:
+        message["array"] = array
+    if request_id is not None:
+        message["request_id"] = request_id
+    return message
 
 
 def job_spec(
@@ -72,16 +79,26 @@ def dependency(job_id: int, condition: str) -> Message:
     return {"job_id": job_id, "condition": condition}
 
 
-def queue(*, all_jobs: bool, user: str | None, limit: int, order: str, after_id: int | None = None) -> Message:
-    return {"op": "queue", "all": all_jobs, "user": user, "limit": limit, "after_id": after_id, "order": order}
+def queue(*, all_jobs: bool, user: str | None, limit: int, order: str, after_id: int | None = None,
+          array_tasks: bool = False) -> Message:
+    message: Message = {"op": "queue", "all": all_jobs, "user": user}
+    if array_tasks:
+        message["array_tasks"] = True
+    return message | {"limit": limit, "after_id": after_id, "order": order}
 
 
-def show(job_id: int) -> Message:
-    return {"op": "show", "job_id": job_id}
+def show(job_id: int, task: int | None = None) -> Message:
+    """`task`: job_id names an array and this is the index of one of its tasks (`show 123_7`)."""
+    return {"op": "show", "job_id": job_id} | ({"task": task} if task is not None else {})
 
 
-def cancel(job_ids: list[int]) -> Message:
-    return {"op": "cancel", "job_ids": job_ids}
+def task_ref(array_id: int, task: int) -> Message:
+    return {"array_id": array_id, "task": task}
+
+
+def cancel(job_ids: list[int], tasks: list[Message] | None = None) -> Message:
+    """`job_ids` are jobs or whole arrays; `tasks` single array tasks (`task_ref`)."""
+    return {"op": "cancel", "job_ids": job_ids} | ({"tasks": tasks} if tasks else {})
 
 
 def job_control(op: str, job_ids: list[int]) -> Message:
@@ -92,8 +109,11 @@ def job_control(op: str, job_ids: list[int]) -> Message:
 LOGS_MAX_BYTES = 256 * 1024  # LogsRequest's default
 
 
-def logs(job_id: int, offset: int, wait_s: float) -> Message:
-    return {"op": "logs", "job_id": job_id, "offset": offset, "max_bytes": LOGS_MAX_BYTES, "wait_s": float(wait_s)}
+def logs(job_id: int, offset: int, wait_s: float, task: int | None = None) -> Message:
+    message: Message = {"op": "logs", "job_id": job_id}
+    if task is not None:
+        message["task"] = task
+    return message | {"offset": offset, "max_bytes": LOGS_MAX_BYTES, "wait_s": float(wait_s)}
 
 
 def wait(job_id: int, timeout_s: float) -> Message:

@@ -18,11 +18,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING
 
+from gpusched_cli.arrays import array_line, array_ref, array_states, ids_text, job_ref
 from gpusched_cli.results import COMPLETED, FAILED, JSON, TERMINAL_STATES, WAITING_STATES, plain
 
 if TYPE_CHECKING:  # the models a typed caller may pass instead of plain JSON
     from gpusched.model import Job
     from gpusched.protocol import (
+        ArraySummary,
         CancelResult,
         DoctorResult,
         GpusResult,
@@ -144,28 +146,42 @@ def device_labels(result: GpusResult | JSON) -> dict[str, str]:
     return labels
 
 
-def queue_table(jobs: Sequence[JobSummary | JSON], now: float, labels: Mapping[str, str] | None = None) -> str:
+def queue_table(jobs: Sequence[JobSummary | JSON], now: float, labels: Mapping[str, str] | None = None,
+                arrays: Sequence[ArraySummary | JSON] = ()) -> str:
     """The `gpusched queue` table; says so plainly when there is nothing to show.
 
     `labels` names devices (see `device_labels`); a device it does not know is shown as a short UUID.
+    An array task is named `120_7`; each array is one row (`123_[1-10000%8]`, its tasks counted by
+    state), in id order with the jobs.
     """
-    if not jobs:
+    if not jobs and not arrays:
         return "No jobs."
     names = labels or {}
     rows = [
         (
-            str(j["id"]),
-            j["name"],
-            j["user"],
-            j["state"],
-            j["request"],
-            ",".join(names.get(d) or short_device(d) for d in j["devices"]) or "-",
-            format_duration(elapsed(j, now)),
-            j["reason"] or "-",
+            int(j["id"]),
+            (
+                job_ref(j),
+                j["name"],
+                j["user"],
+                j["state"],
+                j["request"],
+                ",".join(names.get(d) or short_device(d) for d in j["devices"]) or "-",
+                format_duration(elapsed(j, now)),
+                j["reason"] or "-",
+            ),
         )
         for j in map(plain, jobs)
     ]
-    return table(QUEUE_HEADERS, rows)
+    rows += [
+        (
+            int(a["id"]),
+            (array_ref(a), a["name"], a["user"], array_states(a), a["request"], "-",
+             format_duration(now - a["submitted_at"]), f"pending {a['pending']}" if a.get("pending") else "-"),
+        )
+        for a in map(plain, arrays)
+    ]
+    return table(QUEUE_HEADERS, [row for _, row in sorted(rows, key=lambda r: r[0])])
 
 
 def _exit_text(job: JSON) -> str:
@@ -256,8 +272,12 @@ def show_text(result: ShowResult | JSON, now: float, tz: tzinfo | None = None) -
         fields.append(("pid", str(job["pid"])))
     fields.append(("log", shown.get("log_path") or "-"))
 
+    array = shown.get("array")
+    if array is not None:
+        fields.insert(0, ("array", array_line(job, array)))
     width = max(len(k) for k, _ in fields)
-    lines = [f"Job {job['id']} ({printable(display_name(spec), one_line=True)})  {state}"]
+    title = f"Job {job['id']}" + (f" = {job_ref(job)}" if job.get("array_id") is not None else "")
+    lines = [f"{title} ({printable(display_name(spec), one_line=True)})  {state}"]
     lines += [f"  {k.ljust(width)}  {printable(v, one_line=True)}" for k, v in fields]
     if job.get("history"):
         lines.append("History:")
@@ -330,14 +350,14 @@ def cancel_text(result: CancelResult | JSON) -> str:
     """What `cancel` did, one line per kind, so a script can still grep for its job ids."""
     shown = plain(result)
     cancelled, finished = shown["cancelled"], shown.get("already_finished", [])
-    lines = []
+    lines = [f"Array {a}: its unfinished tasks are cancelled" for a in shown.get("arrays", [])]
     if cancelled:
-        lines.append("Cancelled job" + ("s " if len(cancelled) > 1 else " ") + _ids(cancelled))
+        lines.append("Cancelled job" + ("s " if len(cancelled) > 1 else " ") + ids_text(cancelled))
     if finished:
         n = len(finished)
         lines.append(
             ("Jobs " if n > 1 else "Job ")
-            + _ids(finished)
+            + ids_text(finished)
             + " had already finished"
         )
     return "\n".join(lines) or "Nothing to cancel."
@@ -351,13 +371,9 @@ def changed_text(done: str, result: JobsChanged | JSON) -> str:
     unchanged = sorted(shown.get("unchanged", {}).items(), key=lambda item: int(item[0]))
     lines = []
     if changed:
-        lines.append(f"{done} job" + ("s " if len(changed) > 1 else " ") + _ids(changed))
+        lines.append(f"{done} job" + ("s " if len(changed) > 1 else " ") + ids_text(changed))
     lines += [f"Job {job_id} unchanged: {why}" for job_id, why in unchanged]
     return "\n".join(lines) or "Nothing changed."
-
-
-def _ids(ids: Sequence[int]) -> str:
-    return ", ".join(str(i) for i in ids)
 
 
 def final_state_text(job: Job | JSON) -> str:

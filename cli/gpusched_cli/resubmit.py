@@ -5,14 +5,17 @@ and before its answer came back (the daemon was killed, restarted, or is shuttin
 know whether the job was committed; so we reconnect and send the very same request again. The
 daemon keeps each user's request_ids with their jobs: if the first attempt was committed, the
 second returns that job (`duplicate: true`) instead of creating another one.
+
+Plain JSON in and out, as the rest of the client (messages.py, results.py): no pydantic here.
 """
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
+from typing import Any
 
-from gpusched.protocol import ErrorCode, ProtocolError, SubmitRequest, SubmitResult
+from gpusched.wire import ErrorCode, ProtocolError
 from gpusched_cli.client import Client, DaemonUnavailable
 
 RETRY_FOR_S = 30.0  # how long we keep trying to reach a restarting daemon
@@ -20,19 +23,22 @@ _PAUSE_S = 0.2
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """128 random bits in hex, as uuid4().hex would give (without importing uuid on every submit)."""
+    return os.urandom(16).hex()
 
 
-def submit(client: Client, request: SubmitRequest, retry_for_s: float = RETRY_FOR_S) -> SubmitResult:
-    """`client.call(request)`, sent again (same request_id) on a fresh connection while the daemon is
-    unreachable or restarting, for up to `retry_for_s`. `client` is reconnected in place."""
-    if client.hello is not None and client.hello.version == "1.0":  # request_id came with protocol 1.1
-        return client.call(request.model_copy(update={"request_id": None}), SubmitResult)  # sent once, never again
-    assert request.request_id is not None, "only an idempotent submit may be sent twice"
+def submit(client: Client, message: dict[str, Any], retry_for_s: float = RETRY_FOR_S) -> dict[str, Any]:
+    """`client.request(message)` (a `submit` frame carrying a request_id), sent again on a fresh
+    connection while the daemon is unreachable or restarting, for up to `retry_for_s`; the
+    SubmitResult as JSON. `client` is reconnected in place."""
+    if client.hello is not None and client.hello.get("version") == "1.0":  # request_id came with protocol 1.1
+        once = {key: value for key, value in message.items() if key != "request_id"}
+        return client.request(once)  # not idempotent for this daemon: sent once, never again
+    assert message.get("request_id") is not None, "only an idempotent submit may be sent twice"
     deadline = time.monotonic() + retry_for_s
     while True:
         try:
-            return client.call(request, SubmitResult)
+            return client.request(message)
         except ProtocolError as exc:
             if exc.code is not ErrorCode.SHUTTING_DOWN or time.monotonic() > deadline:
                 raise  # the daemon answered: that answer stands

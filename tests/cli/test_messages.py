@@ -32,6 +32,7 @@ from gpusched.protocol import (
     StatsRequest,
     SubmitRequest,
     SuspendRequest,
+    TaskRef,
     WaitRequest,
     encode_frame,
 )
@@ -82,19 +83,37 @@ def test_submit_frame_is_the_models_frame(kw: dict[str, Any], hold: bool) -> Non
         SubmitRequest(spec=spec, hold=hold).model_dump(mode="json"))
 
 
+@pytest.mark.parametrize(("array", "request_id"), [(None, "0123abcd" * 4), ("1-10000%8", None), ("0,3,5-9:2", "k-1")])
+def test_submit_frame_with_1_1_members_is_the_models_frame(array: str | None, request_id: str | None) -> None:
+    """array and request_id are in the frame only when set, where the model puts them (after hold)."""
+    plain, spec = _spec_pair(request_model=MigRequest(profile="3g.40gb"), name="eval", after_pairs=[(12, "ok")])
+    frame = messages.submit(plain, True, array=array, request_id=request_id)
+    assert encode_frame(frame) == encode_frame(
+        SubmitRequest(spec=spec, hold=True, array=array, request_id=request_id).model_dump(mode="json"))
+    assert ("array" in frame, "request_id" in frame) == (array is not None, request_id is not None)
+
+
 FRAMES: list[tuple[dict[str, Any], BaseModel]] = [
     (messages.hello("1.0", "gpusched-cli"), HelloRequest(version="1.0", client="gpusched-cli")),
     (messages.queue(all_jobs=False, user=None, limit=1000, order="id"), QueueRequest()),
     (messages.queue(all_jobs=True, user="alice", limit=3, order="fairness"),
      QueueRequest(all=True, user="alice", limit=3, order="fairness")),
+    (messages.queue(all_jobs=True, user=None, limit=50, order="id", array_tasks=True),
+     QueueRequest(all=True, limit=50, array_tasks=True)),
     (messages.show(7), ShowRequest(job_id=7)),
+    (messages.show(7, 0), ShowRequest(job_id=7, task=0)),
+    (messages.show(120, 9999), ShowRequest(job_id=120, task=9999)),
     (messages.cancel([3, 1, 2]), CancelRequest(job_ids=[3, 1, 2])),
+    (messages.cancel([3], [messages.task_ref(120, 7), messages.task_ref(120, 0)]),
+     CancelRequest(job_ids=[3], tasks=[TaskRef(array_id=120, task=7), TaskRef(array_id=120, task=0)])),
+    (messages.cancel([], [messages.task_ref(120, 7)]), CancelRequest(tasks=[TaskRef(array_id=120, task=7)])),
     (messages.job_control("suspend", [4]), SuspendRequest(job_ids=[4])),
     (messages.job_control("resume", [4, 5]), ResumeRequest(job_ids=[4, 5])),
     (messages.job_control("hold", [6]), HoldRequest(job_ids=[6])),
     (messages.job_control("release", [6]), ReleaseRequest(job_ids=[6])),
     (messages.logs(9, 0, 0.0), LogsRequest(job_id=9, offset=0, wait_s=0.0)),
     (messages.logs(9, 4096, 10), LogsRequest(job_id=9, offset=4096, wait_s=10)),
+    (messages.logs(120, 0, 10, task=0), LogsRequest(job_id=120, task=0, offset=0, wait_s=10)),
     (messages.wait(9, 30), WaitRequest(job_id=9, timeout_s=30)),
     (messages.gpu_drain("0", "fan"), GpuDrainRequest(device="0", reason="fan")),
     (messages.gpu_resume("MIG-1234"), GpuResumeRequest(device="MIG-1234")),

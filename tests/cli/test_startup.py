@@ -103,6 +103,32 @@ def test_submit_queue_show_cancel_import_no_pydantic(node: DaemonHandle) -> None
         assert command_modules(names) == {module}, args
 
 
+def test_arrays_and_array_tasks_import_no_pydantic(node: DaemonHandle) -> None:
+    """`--array` is checked, and ARRAY_TASK parsed, by gpusched.arrayspec (standard library only)."""
+    sock = ["--socket", node.socket]
+    proc, names = gpusched(*sock, "submit", "--hold", "--gpus", "1", "--array", "1-3", "--", "true")
+    assert proc.returncode == 0 and proc.stdout.startswith("Submitted array job "), proc.stderr[-2000:]
+    assert heavy(names) == [] and command_modules(names) == {"submit"}
+    assert "gpusched.arrayspec" in names  # the detector would see it: it is the module doing the work
+    array_id = int(proc.stdout.split()[3])
+    cases: list[tuple[list[str], str]] = [  # args, something it must print
+        (["queue"], f"{array_id}_[1-3]"),
+        (["queue", "--array-tasks"], f"{array_id}_2 "),
+        (["show", f"{array_id}_2"], f"= {array_id}_2"),
+        (["cancel", f"{array_id}_3"], "Cancelled job"),
+        (["cancel", str(array_id)], f"Array {array_id}: its unfinished tasks are cancelled"),
+    ]
+    for args, needle in cases:
+        proc, names = gpusched(*sock, *args)
+        assert proc.returncode == 0, (args, proc.stderr[-2000:])
+        assert needle in proc.stdout, (args, proc.stdout[-2000:])
+        assert heavy(names) == [] and command_modules(names) == {"jobs"}, args
+    proc, names = gpusched(*sock, "submit", "--gpus", "1", "--array", "5-1", "--", "true")
+    assert proc.returncode == 2 and "--array" in proc.stderr and heavy(names) == []
+    proc, names = gpusched(*sock, "show", "12_x")
+    assert proc.returncode == 2 and "ARRAY_TASK" in proc.stderr and heavy(names) == []
+
+
 def test_errors_are_reported_without_pydantic_too(tmp_path: Path) -> None:
     """Exit 3 (no daemon), 4 (no such job) and 2 (bad flag) take the same light path."""
     proc, names = gpusched("--socket", str(tmp_path / "none.sock"), "queue")

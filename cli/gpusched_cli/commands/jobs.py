@@ -1,4 +1,7 @@
-"""Looking at jobs and acting on them: queue, show, logs, cancel, suspend, resume, hold, release."""
+"""Looking at jobs and acting on them: queue, show, logs, cancel, suspend, resume, hold, release.
+
+show, logs and cancel also take an array task as ARRAY_TASK (`123_7`); queue lists an array as one row.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import time
 import click
 
 from gpusched_cli import messages, render
-from gpusched_cli.common import IDS, connected, echo, print_json, write_verbatim
+from gpusched_cli.common import IDS, REF, REFS, JobRef, connected, echo, print_json, write_verbatim
 from gpusched_cli.exits import EXIT_INTERRUPTED
 from gpusched_cli.results import reading
 
@@ -21,13 +24,18 @@ from gpusched_cli.results import reading
               help="fairness: pending jobs in the order the scheduler would start them")
 @click.option("--limit", type=click.IntRange(1, 3000), default=1000, show_default=True,
               help="at most this many rows")
-@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N} (see docs/cli.md)')
+@click.option("--array-tasks", "array_tasks", is_flag=True,
+              help="one row per array task (ARRAY_TASK) instead of one row per array")
+@click.option("--json", "as_json", is_flag=True, help='print {"jobs": [...], "total": N, "arrays": [...]} '
+              "(see docs/cli.md)")
 @click.pass_context
-def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, as_json: bool) -> None:
-    """List pending and running jobs (with --all, finished ones too)."""
+def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limit: int, array_tasks: bool,
+          as_json: bool) -> None:
+    """List pending and running jobs (with --all, finished ones too); an array is one row."""
     labels: dict[str, str] = {}
     with connected(ctx) as client:
-        result = client.request(messages.queue(all_jobs=show_all, user=user, order=order, limit=limit))
+        result = client.request(messages.queue(all_jobs=show_all, user=user, order=order, limit=limit,
+                                               array_tasks=array_tasks))
         with reading("queue", result):
             placed = not as_json and any(job["devices"] for job in result["jobs"])
         if placed:
@@ -38,7 +46,7 @@ def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limi
         print_json(result)
         return
     with reading("queue", result):
-        text = render.queue_table(result["jobs"], time.time(), labels)
+        text = render.queue_table(result["jobs"], time.time(), labels, result.get("arrays", []))
         hidden = result.get("total", 0) - len(result["jobs"])
     echo(text)
     if hidden > 0:
@@ -46,13 +54,14 @@ def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limi
 
 
 @click.command()
-@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@REF
 @click.option("--json", "as_json", is_flag=True, help="print the daemon's ShowResult (see docs/cli.md)")
 @click.pass_context
-def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
-    """Everything about one job: spec, state history, allocation, exit status, log path."""
+def show(ctx: click.Context, ref: JobRef, as_json: bool) -> None:
+    """Everything about one job (or array task, 123_7): spec, state history, allocation, exit status, log path.
+    An array's id shows the array's counts and its first unfinished task."""
     with connected(ctx) as client:
-        result = client.request(messages.show(job_id))
+        result = client.request(messages.show(*ref))
     if as_json:
         print_json(result)
         return
@@ -62,16 +71,17 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("job_id", type=click.IntRange(min=1), metavar="ID")
+@REF
 @click.option("-f", "--follow", is_flag=True, help="keep printing new output until the job ends")
 @click.pass_context
-def logs(ctx: click.Context, job_id: int, follow: bool) -> None:
-    """Print a job's combined stdout and stderr, verbatim."""
+def logs(ctx: click.Context, ref: JobRef, follow: bool) -> None:
+    """Print a job's (or array task's, 123_7) combined stdout and stderr, verbatim."""
+    job_id, task = ref
     offset = 0
     try:
         with connected(ctx) as client:
             while True:
-                chunk = client.request(messages.logs(job_id, offset, 10.0 if follow else 0.0))
+                chunk = client.request(messages.logs(job_id, offset, 10.0 if follow else 0.0, task=task))
                 with reading("logs", chunk):
                     data, next_offset, eof = str(chunk["data"]), int(chunk["next_offset"]), bool(chunk["eof"])
                 if data:
@@ -85,12 +95,15 @@ def logs(ctx: click.Context, job_id: int, follow: bool) -> None:
 
 
 @click.command()
-@IDS
+@REFS
 @click.pass_context
-def cancel(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Cancel jobs: pending ones leave the queue, running ones are stopped."""
+def cancel(ctx: click.Context, refs: list[JobRef]) -> None:
+    """Cancel jobs: pending ones leave the queue, running ones are stopped. An array's id cancels
+    all its tasks; ARRAY_TASK (123_7) one of them."""
+    request = messages.cancel([i for i, t in refs if t is None],
+                              [messages.task_ref(i, t) for i, t in refs if t is not None])
     with connected(ctx) as client:
-        result = client.request(messages.cancel(list(job_ids)))
+        result = client.request(request)
     with reading("cancel", result):
         text = render.cancel_text(result)
     echo(text)

@@ -1,5 +1,8 @@
 """`gpusched submit`: flags -> a JobSpec as plain JSON -> one `submit` request (and `--wait`).
 
+The request carries a random request_id and is sent again across a daemon restart (resubmit.py);
+`--array` makes it a job array, checked here with the daemon's own parser before anything is sent.
+
 The spec is built as the JSON the JobSpec model would dump (gpusched_cli.messages), without
 pydantic: the model is consulted only for a spec that might break one of its limits, so its message
 still names the field (exit 2) and the common case stays fast.
@@ -14,7 +17,8 @@ from typing import Any
 
 import click
 
-from gpusched_cli import messages, render
+from gpusched.arrayspec import ArraySpecError, parse_array_spec
+from gpusched_cli import messages, render, resubmit
 from gpusched_cli.client import Client
 from gpusched_cli.common import connected, echo, print_json
 from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
@@ -72,6 +76,14 @@ def _fraction_flag(ctx: click.Context, param: click.Parameter, value: str | None
             f"{value!r} must be more than 0 and at most 1 (a fraction of one GPU's compute)", ctx, param
         )
     return fraction
+
+
+def _array_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The spec as given (whitespace removed); the daemon checks it again and applies max_array_size."""
+    try:
+        return None if value is None else parse_array_spec(value).text
+    except ArraySpecError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 _MIG_PROFILE = re.compile(r"^[0-9]+g\.[0-9]+gb(\+me)?$")
@@ -175,12 +187,14 @@ def check_with_model(spec: dict[str, Any]) -> None:
 @click.option("--cpus", type=click.IntRange(1, 4096), help="host CPU cores for the job")
 @click.option("--mem", "mem", metavar="SIZE", callback=_size_flag, help="host memory limit: 32G, 512M, ...")
 @click.option("--hold", is_flag=True, help="submit held: the job starts only after `gpusched release`")
+@click.option("--array", "array", metavar="A-B[:STEP][,...][%MAX]", callback=_array_flag,
+              help="a job array as sbatch: one task per index (GPUSCHED_ARRAY_TASK_ID), at most MAX running at once")
 @click.option("--export", "export", default="ALL", show_default=True, metavar="ALL|NONE|VAR[=VAL],...",
               help="the job's environment, as sbatch: all of yours, none, or only the listed variables")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32", "tf32"]),
               help="prefer GPUs that are fast at this precision")
 @click.option("--wait", is_flag=True, help="block until the job ends and exit with its exit code")
-@click.option("--json", "as_json", is_flag=True, help='print {"job_id": N, "state": S}')
+@click.option("--json", "as_json", is_flag=True, help='print {"job_id": N, "state": S} (an array adds "tasks": N)')
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 @click.pass_context
 def submit(
@@ -198,6 +212,7 @@ def submit(
     cpus: int | None,
     mem: int | None,
     hold: bool,
+    array: str | None,
     export: str,
     precision: str | None,
     wait: bool,
@@ -211,7 +226,10 @@ def submit(
       gpusched submit --gpus 2 --time 4:00:00 -- python train.py --lr 3e-4
       gpusched submit --mig 3g.40gb --name eval -- ./eval.sh
       gpusched submit --share 0.25 --gpu-mem 10G --wait -- python infer.py
+      gpusched submit --gpus 1 --array 0-99%8 -- python sweep.py   # task i reads $GPUSCHED_ARRAY_TASK_ID
     """
+    if array is not None and wait:
+        raise click.UsageError("--wait waits for one job; with --array, wait with `gpusched queue` or `show ID`")
     request = build_request(gpus, mig, share, gpu_mem)
     try:
         env = parse_export(export, os.environ)
@@ -236,12 +254,17 @@ def submit(
         check_with_model(spec)
 
     with connected(ctx) as client:
-        submitted = client.request(messages.submit(spec, hold))
+        message = messages.submit(spec, hold, array=array, request_id=resubmit.new_request_id())
+        submitted = resubmit.submit(client, message)
         with reading("submit", submitted):
             job_id, state = int(submitted["job_id"]), str(submitted["state"])
+            tasks = None if submitted.get("tasks") is None else int(submitted["tasks"])
         try:  # from here on Ctrl-C only stops the waiting: say so, and which job lives on
             if as_json:
-                print_json({"job_id": job_id, "state": state}, compact=True)
+                print_json({"job_id": job_id, "state": state} | ({"tasks": tasks} if tasks is not None else {}),
+                           compact=True)
+            elif tasks is not None:
+                echo(f"Submitted array job {job_id} ({tasks} tasks: {job_id}_[{array}])")
             else:
                 echo(f"Submitted job {job_id}")
             if not wait:
