@@ -66,7 +66,20 @@ def shape_key(request: WholeRequest | MigRequest | ShareRequest) -> str:
 
 
 def _keys(user: str, cmd: str, shape: str) -> tuple[str, ...]:
-    return (f"u\x00{user}\x00{cmd}", f"c\x00{cmd}", f"s\x00{user}\x00{shape}", f"S\x00{shape}", "*")
+    """The keys an estimate looks at, most specific first; `cmd` "" (a command with no history)
+    gives "" for the command keys, which are never in the history."""
+    by_cmd = (f"u\x00{user}\x00{cmd}", f"c\x00{cmd}") if cmd else ("", "")
+    return (*by_cmd, f"s\x00{user}\x00{shape}", f"S\x00{shape}", "*")
+
+
+def _command_of(key: str) -> str | None:
+    """The command a history key names (`c\\0CMD`, `u\\0USER\\0CMD`), None for shape and global keys."""
+    if key.startswith("c\x00"):
+        return key[2:]
+    if key.startswith("u\x00"):
+        parts = key.split("\x00", 2)
+        return parts[2] if len(parts) == 3 else None
+    return None
 
 
 _SOURCES = ("your previous runs of this command", "previous runs of this command",
@@ -96,6 +109,9 @@ class RuntimeEstimator:
         self._key_tuples: dict[tuple[str, str, str], tuple[str, ...]] = {}
         self._job_keys: dict[int, tuple[str, ...]] = {}  # the jobs asked about lately (the heads, mostly)
         self._memo: dict[tuple[tuple[str, ...], float | None], tuple[tuple[int, ...], Estimate]] = {}
+        # Commands with any history (live keys naming them). 100k queued jobs of a sweep are mostly
+        # commands never seen: their estimate is their shape's, shared, with no per-command keys.
+        self._cmds: dict[str, int] = {}
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
@@ -110,11 +126,23 @@ class RuntimeEstimator:
         if runs is None:
             runs = deque(maxlen=self.config.history)
             self._runs[key] = runs
+            cmd = _command_of(key)
+            if cmd is not None:
+                if cmd not in self._cmds:
+                    self._job_keys.clear()  # jobs cached as "never seen" must look at this command now
+                self._cmds[cmd] = self._cmds.get(cmd, 0) + 1
             while len(self._runs) > self.config.max_keys:
                 dropped, _ = self._runs.popitem(last=False)
                 # Back to "never seen": a memo taken while it was absent is right again (and the
                 # version table stays as bounded as the history).
                 self._versions.pop(dropped, None)
+                gone = _command_of(dropped)
+                if gone is not None:
+                    left = self._cmds.get(gone, 1) - 1
+                    if left > 0:
+                        self._cmds[gone] = left
+                    else:
+                        self._cmds.pop(gone, None)
         else:
             self._runs.move_to_end(key)
         runs.append(runtime_s)
@@ -123,7 +151,9 @@ class RuntimeEstimator:
         """Expected run time of a job that has not started: history, capped by its time limit."""
         keys = self._job_keys.get(job.id)
         if keys is None:
-            parts = (job.user, command_key(job), shape_key(job.spec.request))
+            cmd = command_key(job)
+            # A command with no history at all: only the shape's keys can answer ("" is no key).
+            parts = (job.user, cmd if cmd in self._cmds else "", shape_key(job.spec.request))
             keys = self._key_tuples.get(parts)
             if keys is None:
                 if len(self._key_tuples) >= _MEMO_MAX:

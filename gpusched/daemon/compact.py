@@ -126,7 +126,7 @@ class Compactor:
         data["cwd"] = self.text(data["cwd"])
         if data["name"] is not None:
             data["name"] = self.text(data["name"])
-        key = tuple(sorted(request.items()))
+        key = tuple(request.items())  # in field order: dumped by pydantic, here or into the store
         shared = self._requests.get(key)
         if shared is None:
             kind = _REQUEST_TYPES[request["kind"]]

@@ -127,6 +127,7 @@ class SummaryRow(NamedTuple):
 # allocations only, and parsing 256 KiB specs by the thousand is what made `stats` slow).
 NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
 
+_STATES = {s.value: s for s in JobState}  # a dict lookup, not Enum's __call__: a restart reads 200k
 _LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite's host-parameter limit)
 
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
@@ -220,7 +221,7 @@ class StoreReader(ArrayReads):
         for r in rows:
             yield compact.job(
                 id=r[0], uid=r[1], gid=r[2], user=r[3],
-                spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=JobState(r[5]),
+                spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=_STATES[r[5]],
                 submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
                 allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
                 history=histories.get(r[0], []), array_id=r[14], array_task=r[15],
@@ -235,7 +236,7 @@ class StoreReader(ArrayReads):
                 f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
                 chunk,
             ):
-                out.setdefault(job_id, []).append(self.compactor.transition(JobState(state), at, reason))
+                out.setdefault(job_id, []).append(self.compactor.transition(_STATES[state], at, reason))
         return out
 
     def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:

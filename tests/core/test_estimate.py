@@ -59,3 +59,29 @@ def test_an_estimate_is_never_below_k_times_elapsed_nor_above_the_limit(
     assert total >= floor - 1e-6
     if limit is not None:
         assert total <= limit + 1e-6
+
+
+def _named(jid: int, name: str, user: str = "alice") -> object:
+    j = job(jid, user, gpus=1)
+    return j.model_copy(update={"spec": j.spec.model_copy(update={"name": name})})
+
+
+def test_a_command_that_gains_history_is_estimated_from_it_even_after_a_shape_estimate() -> None:
+    """Jobs of commands never seen share their shape's estimate; once the command has run, its own
+    history answers, for jobs asked about before as well."""
+    est = RuntimeEstimator(EstimatorConfig(default_runtime_s=3600.0))
+    waiting, other = _named(1, "train"), _named(2, "eval")
+    est.observe(other, 100.0)  # a shape estimate exists now: 100 s for gpus=1
+    assert est.estimate(waiting).seconds == 100.0 and "shape" in est.estimate(waiting).source
+    est.observe(_named(3, "train"), 40.0)
+    assert est.estimate(waiting).seconds == 40.0 and "this command" in est.estimate(waiting).source
+
+
+def test_a_command_whose_history_was_evicted_falls_back_to_its_shape() -> None:
+    est = RuntimeEstimator(EstimatorConfig(default_runtime_s=3600.0, max_keys=5))
+    waiting = _named(1, "train")
+    est.observe(_named(2, "train"), 40.0)  # 5 keys: two for the command, two for the shape, global
+    assert est.estimate(waiting).seconds == 40.0
+    for k in range(3):  # each new command adds two keys and pushes the oldest out
+        est.observe(_named(10 + k, f"other-{k}", user=f"u{k}"), 500.0)
+    assert "this command" not in est.estimate(waiting).source
