@@ -27,8 +27,13 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as 
 
 # The victim: an ordinary user who runs `gpusched submit` with a secret in the environment.
 _VICTIM = textwrap.dedent("""
-    import os, sys
+    import importlib, os, pkgutil, sys
+    import gpusched_cli
     from gpusched_cli.main import cli
+    # The CLI imports each command's modules on first use; load them all while root can still read
+    # this checkout (a fresh clone under mktemp -d is 0700), as an installed copy is readable anyway.
+    for module in pkgutil.walk_packages(gpusched_cli.__path__, "gpusched_cli."):
+        importlib.import_module(module.name)
     os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))
     cli(["submit", "--gpus", "1", "--", "true"])
 """)
@@ -70,6 +75,8 @@ def planted_dir() -> Iterator[str]:
         if fake.poll() is None:
             fake.kill()
             fake.wait(10)
+        if fake.stdout is not None:
+            fake.stdout.close()  # a test that failed before reading it must not leak the pipe
     _FAKES.clear()
     shutil.rmtree(PLANTED_DIR, ignore_errors=True)
 
