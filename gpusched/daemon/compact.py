@@ -68,18 +68,36 @@ class _Table(OrderedDict[K, V]):
         return value
 
 
+class _Pool(dict[K, V]):
+    """A bounded pool of shared values that starts over when full: cheaper than an LRU on a hit (a
+    restart asks it 800k times), and losing the pool only costs sharing, never correctness."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def share(self, key: K, value: V) -> V:
+        found = self.get(key)
+        if found is not None:
+            return found
+        if len(self) >= self.capacity:
+            self.clear()
+        self[key] = value
+        return value
+
+
 class Compactor:
     """Builds the in-memory form of jobs, sharing repeated parts; one per daemon."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self._envs: _Table[tuple[tuple[str, str], ...], dict[str, str]] = _Table(capacity)
-        self._argvs: _Table[tuple[str, ...], list[str]] = _Table(capacity)
-        self._requests: _Table[tuple[Any, ...], WholeRequest | MigRequest | ShareRequest] = _Table(capacity)
-        self._strings: _Table[str, str] = _Table(capacity)
+        self._envs: _Pool[tuple[tuple[str, str], ...], dict[str, str]] = _Pool(capacity)
+        self._argvs: _Pool[tuple[str, ...], list[str]] = _Pool(capacity)
+        self._requests: _Pool[tuple[Any, ...], WholeRequest | MigRequest | ShareRequest] = _Pool(capacity)
+        self._strings: _Pool[str, str] = _Pool(capacity)
         # Keyed by the stored JSON text, so at most `capacity` texts of at most MAX_SPEC_BYTES each.
         self._specs: _Table[str, JobSpec] = _Table(capacity)
         # By object identity; the entry holds the spec, so its id cannot be reused while it is here.
-        self._sizes: _Table[int, tuple[JobSpec, int]] = _Table(capacity)
+        self._sizes: _Pool[int, tuple[JobSpec, int]] = _Pool(capacity)
 
     def spec_bytes(self, spec: JobSpec) -> int:
         """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
