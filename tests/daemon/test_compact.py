@@ -127,9 +127,9 @@ def test_the_shared_spec_table_is_bounded_by_its_capacity() -> None:
 
 def test_a_pool_starts_over_when_full_and_shares_until_then() -> None:
     pool: _Pool[str, str] = _Pool(2)
-    first = "".join(["sha", "red"])  # a string object of its own, not an interned literal
-    assert pool.share("shared", first) is first
-    assert pool.share("shared", "".join(["sha", "red"])) is first  # the same object comes back
+    first = "".join(["com", "mon"])  # a string object of its own, not an interned literal
+    assert pool.share("common", first) is first
+    assert pool.share("common", "".join(["com", "mon"])) is first  # the same object comes back
     pool.share("other", "other")
     pool.share("third", "third")  # full: starts over
     assert list(pool) == ["third"]

@@ -49,6 +49,23 @@ def _events(state_dir: str, job_id: int) -> list[Event]:
         reader.close()
 
 
+def _counting(c: Client, socket: str, request: Any = None, at_least: int = 1) -> tuple[int, int]:
+    """A trainer's job (uid 20010) that prints 1, 2, 3, ...: (its id, its pid) once it has counted."""
+    job_id = _submit(20010, socket, ["sh", "-c", COUNTER], request=request)
+    wait_until(lambda: len(_counts(c, job_id)) >= at_least, what="the trainer counting")
+    pid = c.call(ShowRequest(job_id=job_id), ShowResult).job.pid
+    assert pid
+    return job_id, pid
+
+
+def _counts_on_without_redoing(c: Client, job_id: int) -> None:
+    """It counts again, and its output is 1..n with nothing repeated: one process did all the work."""
+    frozen = len(_counts(c, job_id))
+    wait_until(lambda: len(_counts(c, job_id)) > frozen + 3, what="the job counting again")
+    counts = _counts(c, job_id)
+    assert counts == list(range(1, len(counts) + 1))
+
+
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
@@ -58,8 +75,7 @@ def _proc_state(pid: int) -> str:
 def test_a_checkpointed_job_gives_its_gpu_away_and_resumes_where_it_was(daemon_factory: Any) -> None:
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
-        trainer = _submit(20010, daemon.socket, ["sh", "-c", COUNTER], name="train")
-        wait_until(lambda: len(_counts(c, trainer)) >= 3, what="the trainer counting")
+        trainer, _ = _counting(c, daemon.socket, at_least=3)
         before = c.call(ShowRequest(job_id=trainer), ShowResult).job
         assert before.allocation is not None and before.pid
         gpu = before.allocation.uuids
@@ -77,16 +93,13 @@ def test_a_checkpointed_job_gives_its_gpu_away_and_resumes_where_it_was(daemon_f
         finally:
             reader.close()
         assert c.call(ShowRequest(job_id=interactive), ShowResult).job.allocation.uuids == gpu  # type: ignore[union-attr]
-        frozen = _counts(c, trainer)
 
         wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive job done")
         wait_until(lambda: state_of(c, trainer) is JobState.RUNNING, timeout=30, what="trainer restored")
         after = c.call(ShowRequest(job_id=trainer), ShowResult).job
         assert after.pid == before.pid and after.allocation is not None and after.allocation.uuids == gpu
         assert after.reason.startswith("restored from checkpoint")
-        wait_until(lambda: len(_counts(c, trainer)) > len(frozen) + 3, what="the trainer counting again")
-        counts = _counts(c, trainer)
-        assert counts == list(range(1, len(counts) + 1))  # one process, one count: nothing was redone
+        _counts_on_without_redoing(c, trainer)
         assert [t.state for t in after.history] == [JobState.PENDING, JobState.STARTING, JobState.RUNNING,
                                                     JobState.SUSPENDED, JobState.RUNNING]
         c.call(CancelRequest(job_ids=[trainer]), CancelResult)
@@ -97,9 +110,7 @@ def test_a_checkpointed_job_gives_its_gpu_away_and_resumes_where_it_was(daemon_f
 def test_a_checkpointed_job_survives_a_daemon_restart_and_is_restored_after_it(daemon_factory: Any) -> None:
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
-        trainer = _submit(20010, daemon.socket, ["sh", "-c", COUNTER])
-        wait_until(lambda: len(_counts(c, trainer)) >= 3, what="the trainer counting")
-        pid = c.call(ShowRequest(job_id=trainer), ShowResult).job.pid
+        trainer, pid = _counting(c, daemon.socket, at_least=3)
         interactive = _submit(20011, daemon.socket, ["sleep", "2"], job_class="interactive")
         wait_until(lambda: state_of(c, interactive) is JobState.RUNNING, timeout=30, what="interactive job running")
         assert state_of(c, trainer) is JobState.SUSPENDED
@@ -110,10 +121,7 @@ def test_a_checkpointed_job_survives_a_daemon_restart_and_is_restored_after_it(d
         wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive job done")
         wait_until(lambda: state_of(c, trainer) is JobState.RUNNING, timeout=30, what="trainer restored")
         assert c.call(ShowRequest(job_id=trainer), ShowResult).job.pid == pid
-        frozen = len(_counts(c, trainer))
-        wait_until(lambda: len(_counts(c, trainer)) > frozen + 3, what="the trainer counting again")
-        counts = _counts(c, trainer)
-        assert counts == list(range(1, len(counts) + 1))
+        _counts_on_without_redoing(c, trainer)
         c.call(CancelRequest(job_ids=[trainer]), CancelResult)
         wait_until(lambda: state_of(c, trainer) is JobState.CANCELLED, what="trainer cancelled")
 
@@ -122,10 +130,7 @@ def test_a_checkpointed_job_survives_a_daemon_restart_and_is_restored_after_it(d
 def test_cancelling_a_checkpointed_job_ends_it_and_frees_nothing_twice(daemon_factory: Any) -> None:
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
-        trainer = _submit(20010, daemon.socket, ["sh", "-c", COUNTER])
-        wait_until(lambda: len(_counts(c, trainer)) >= 1, what="the trainer counting")
-        pid = c.call(ShowRequest(job_id=trainer), ShowResult).job.pid
-        assert pid
+        trainer, pid = _counting(c, daemon.socket)
         interactive = _submit(20011, daemon.socket, ["sleep", "30"], job_class="interactive")
         wait_until(lambda: state_of(c, interactive) is JobState.RUNNING, timeout=30, what="interactive job running")
         assert state_of(c, trainer) is JobState.SUSPENDED
@@ -142,10 +147,7 @@ def test_a_failed_checkpoint_leaves_the_job_running_and_falls_back(daemon_factor
     waits, since the victim is not --requeue and may not be checkpointed again."""
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
-        trainer = _submit(20010, daemon.socket, ["sh", "-c", COUNTER])
-        wait_until(lambda: len(_counts(c, trainer)) >= 1, what="the trainer counting")
-        pid = c.call(ShowRequest(job_id=trainer), ShowResult).job.pid
-        assert pid
+        trainer, pid = _counting(c, daemon.socket)
         inject(os.path.join(daemon.state_dir, "sim-checkpoint"), pid, "checkpoint", "CUDA_ERROR_OUT_OF_MEMORY")
         interactive = _submit(20011, daemon.socket, ["true"], job_class="interactive")
         wait_until(lambda: any(e.kind == "checkpoint_failed" and "out of memory" in e.message
@@ -163,10 +165,7 @@ def test_a_restore_that_fails_ends_the_job_with_the_reason(daemon_factory: Any) 
     the job cannot run again, so it ends FAILED (a --requeue job would start over) and frees its GPU."""
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
-        trainer = _submit(20010, daemon.socket, ["sh", "-c", COUNTER])
-        wait_until(lambda: len(_counts(c, trainer)) >= 1, what="the trainer counting")
-        pid = c.call(ShowRequest(job_id=trainer), ShowResult).job.pid
-        assert pid
+        trainer, pid = _counting(c, daemon.socket)
         inject(os.path.join(daemon.state_dir, "sim-checkpoint"), pid, "restore", "CUDA_ERROR_OUT_OF_MEMORY")
         interactive = _submit(20011, daemon.socket, ["sleep", "1"], job_class="interactive")
         wait_until(lambda: state_of(c, trainer) is JobState.FAILED, timeout=30, what="trainer failed")
@@ -183,9 +182,8 @@ def test_a_share_is_suspended_in_place_for_an_interactive_share_and_continues_af
     daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
     half = ShareRequest(fraction=0.5, gpu_mem_mib=10240)
     with daemon.client() as c:
-        batch = [_submit(20010, daemon.socket, ["sh", "-c", COUNTER], request=half) for _ in range(2)]
-        wait_until(lambda: all(len(_counts(c, j)) >= 2 for j in batch), what="both batch shares counting")
-        pids = {j: c.call(ShowRequest(job_id=j), ShowResult).job.pid for j in batch}
+        pids = dict(_counting(c, daemon.socket, request=half, at_least=2) for _ in range(2))
+        batch = list(pids)
         interactive = _submit(20011, daemon.socket, ["sleep", "1"], request=half, job_class="interactive")
         wait_until(lambda: state_of(c, interactive) is JobState.RUNNING, timeout=30, what="interactive share running")
         [stopped] = [j for j in batch if state_of(c, j) is JobState.SUSPENDED]
@@ -196,8 +194,5 @@ def test_a_share_is_suspended_in_place_for_an_interactive_share_and_continues_af
         wait_until(lambda: state_of(c, stopped) is JobState.RUNNING, timeout=30, what="batch share continued")
         job = c.call(ShowRequest(job_id=stopped), ShowResult).job
         assert job.pid == pids[stopped] and "continues where it stopped" in job.reason
-        frozen = len(_counts(c, stopped))
-        wait_until(lambda: len(_counts(c, stopped)) > frozen + 3, what="it counts again")
-        counts = _counts(c, stopped)
-        assert counts == list(range(1, len(counts) + 1))
+        _counts_on_without_redoing(c, stopped)
         c.call(CancelRequest(job_ids=batch), CancelResult)
