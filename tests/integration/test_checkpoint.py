@@ -49,9 +49,9 @@ def _events(state_dir: str, job_id: int) -> list[Event]:
         reader.close()
 
 
-def _counting(c: Client, socket: str, request: Any = None, at_least: int = 1) -> tuple[int, int]:
+def _counting(c: Client, socket: str, request: Any = None, at_least: int = 1, **fields: Any) -> tuple[int, int]:
     """A trainer's job (uid 20010) that prints 1, 2, 3, ...: (its id, its pid) once it has counted."""
-    job_id = _submit(20010, socket, ["sh", "-c", COUNTER], request=request)
+    job_id = _submit(20010, socket, ["sh", "-c", COUNTER], request=request, **fields)
     wait_until(lambda: len(_counts(c, job_id)) >= at_least, what="the trainer counting")
     pid = c.call(ShowRequest(job_id=job_id), ShowResult).job.pid
     assert pid
@@ -196,3 +196,21 @@ def test_a_share_is_suspended_in_place_for_an_interactive_share_and_continues_af
         assert job.pid == pids[stopped] and "continues where it stopped" in job.reason
         _counts_on_without_redoing(c, stopped)
         c.call(CancelRequest(job_ids=batch), CancelResult)
+
+
+@needs_root
+def test_a_requeue_job_whose_restore_fails_starts_over(daemon_factory: Any) -> None:
+    """The same failed restore for a --requeue job: it is preempted for good and queued again, and
+    starts from scratch (a new process) once the GPU is free."""
+    daemon = daemon_factory(sim="H100-80GB:1")
+    with daemon.client() as c:
+        trainer, pid = _counting(c, daemon.socket, requeue=True)
+        inject(os.path.join(daemon.state_dir, "sim-checkpoint"), pid, "restore", "CUDA_ERROR_OUT_OF_MEMORY")
+        interactive = _submit(20011, daemon.socket, ["sleep", "1"], job_class="interactive")
+        wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive job done")
+        wait_until(lambda: (j := c.call(ShowRequest(job_id=trainer), ShowResult).job).state is JobState.RUNNING
+                   and j.pid != pid, timeout=30, what="trainer started over")
+        states = [t.state for t in c.call(ShowRequest(job_id=trainer), ShowResult).job.history]
+        assert JobState.PREEMPTED in states and states[-1] is JobState.RUNNING
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), what="its first process gone")
+        c.call(CancelRequest(job_ids=[trainer]), CancelResult)
