@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -230,6 +230,30 @@ Epilog={base}/etc/epilog
 Include {base}/etc/nodes.conf
 PartitionName=gpu Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def running_cluster(nodes: dict[str, dict[str, str]] | None = None, gres_types: str = "gpu"
+                    ) -> Iterator[Cluster]:
+    """The body of a module-scoped fixture: skip (fail under CI) when Slurm or munge is missing, start
+    the cluster in a fresh short directory, and stop every daemon and remove it afterwards."""
+    import pytest
+
+    from tests.conftest import DaemonProcess, short_tmpdir
+
+    missing = missing_tools()
+    if missing:
+        message = f"Slurm/munge not installed ({', '.join(missing)} missing): {INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; `make test` (host-tools) installs them as root")
+        pytest.skip(message)
+    base = short_tmpdir()
+    made = Cluster(base)
+    try:
+        made = start_cluster(base, DaemonProcess, nodes, gres_types=gres_types)
+        yield made
+    finally:
+        made.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def start_cluster(base: str, daemon_process: type[DaemonProcess], nodes: dict[str, dict[str, str]] | None = None,

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DaemonProcess, short_tmpdir
 from tests.integration import slurm_cluster
 from tests.integration.slurm_cluster import (
     USER,
@@ -34,20 +32,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a Slurm cluster needs
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    missing = slurm_cluster.missing_tools()
-    if missing:
-        message = f"Slurm/munge not installed ({', '.join(missing)} missing): {slurm_cluster.INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; `make test` (host-tools) installs them as root")
-        pytest.skip(message)
-    base = short_tmpdir()
-    made = Cluster(base)
-    try:
-        made = slurm_cluster.start_cluster(base, DaemonProcess)
-        yield made
-    finally:
-        made.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    yield from slurm_cluster.running_cluster()
 
 
 def inventory(cluster: Cluster, node: str) -> dict[str, object]:

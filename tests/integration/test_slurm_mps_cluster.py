@@ -8,13 +8,11 @@ MPS control daemon, which stops when the last one ends.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DaemonProcess, short_tmpdir
 from tests.integration import slurm_cluster
 from tests.integration.slurm_cluster import (
     USER,
@@ -33,24 +31,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a Slurm cluster needs
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    missing = slurm_cluster.missing_tools()
-    if missing:
-        message = f"Slurm/munge not installed ({', '.join(missing)} missing): {slurm_cluster.INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; `make test` (host-tools) installs them as root")
-        pytest.skip(message)
-    base = short_tmpdir()
-    made = Cluster(base)
-    try:
-        mps = '[gpus.0]\nshare = "mps"\n'
-        made = slurm_cluster.start_cluster(base, DaemonProcess, {
-            "m1": {"sim": "H100-80GB:1", "toml": mps, "export": "--gres-mps"},
-            "m2": {"sim": "H100-80GB:1", "toml": mps, "export": "--gres-shard 4"},
-        }, gres_types="gpu,mps,shard")
-        yield made
-    finally:
-        made.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    mps = '[gpus.0]\nshare = "mps"\n'
+    yield from slurm_cluster.running_cluster({
+        "m1": {"sim": "H100-80GB:1", "toml": mps, "export": "--gres-mps"},
+        "m2": {"sim": "H100-80GB:1", "toml": mps, "export": "--gres-shard 4"},
+    }, gres_types="gpu,mps,shard")
 
 
 @pytest.mark.parametrize(("node", "gres", "offered"), [("m1", "mps:50", "mps:h100-80gb:100"),
