@@ -14,7 +14,7 @@ from gpusched.gpu.profiles import MODELS
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
 from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
 from gpusched.replay.sim import SimResult, run_policy
-from gpusched.replay.trace import Trace, load_trace
+from gpusched.replay.trace import Censored, Trace, load_trace
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ def resolve_policies(name: str) -> list[str]:
 def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto", config_path: str | None = None,
                policies: Sequence[str] = POLICIES, load: float | None = None, users: int = 16, seed: int = 1,
                config: ReplayConfig | None = None, limit: int | None = None,
-               times_from: str | None = None) -> ReplayReport:
+               times_from: str | None = None, censored: Censored = "keep") -> ReplayReport:
     """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input.
 
     `times_from`: an Alibaba pod list whose times a time-less pod list borrows (docs/replay.md).
@@ -50,7 +50,7 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     cfg = config if config is not None else load_config(config_path)
     memory = min(MODELS[m].memory_mib for m in models)
     trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
-                       seed=seed, limit=limit, times_from=times_from)
+                       seed=seed, limit=limit, times_from=times_from, censored=censored)
     if not trace.jobs:
         raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
     report = ReplayReport(trace, gpus)

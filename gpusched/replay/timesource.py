@@ -33,6 +33,7 @@ class TimeSource:
     path: str
     by_name: dict[str, dict[str, str]]
     pool: tuple[dict[str, str], ...]  # replayable rows: GPU pods, scheduled, positive duration
+    last_deletion: float = -math.inf  # the file's last deletion_time: when its trace was taken
 
     def times_for(self, name: str, seed: int) -> tuple[dict[str, str], bool]:
         """(the three time columns for pod `name`, whether they came from a pod of that name)."""
@@ -66,6 +67,7 @@ def load_time_source(path: str) -> TimeSource:
 
     by_name: dict[str, dict[str, str]] = {}
     pool: list[dict[str, str]] = []
+    last_deletion = -math.inf
     with open(path, newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         header = [c.strip() for c in reader.fieldnames or []]
@@ -93,6 +95,8 @@ def load_time_source(path: str) -> TimeSource:
                 by_name.setdefault(get["name"], times)
             gpus = _number(get["num_gpu"])
             sched, deleted = values["scheduled_time"], values["deletion_time"]
+            if deleted is not None:
+                last_deletion = max(last_deletion, deleted)
             if gpus is not None and gpus >= 1 and sched is not None and deleted is not None and deleted > sched:
                 pool.append(times)
             if len(errors) >= MAX_ERRORS:
@@ -102,4 +106,4 @@ def load_time_source(path: str) -> TimeSource:
     if not pool:
         raise TimeSourceError(f"{path}: no replayable pod (a GPU pod with scheduled_time and a positive "
                               "duration) to draw times from")
-    return TimeSource(path, by_name, tuple(pool))
+    return TimeSource(path, by_name, tuple(pool), last_deletion)

@@ -106,3 +106,23 @@ def test_cli_times_from() -> None:
     assert json.loads(result.output)["jobs"] == 6
     result = runner.invoke(cli, ["replay", TIMES, "--times-from", TIMES])
     assert result.exit_code == 2 and "has its own time columns" in result.output
+
+
+def test_censored_follows_the_time_source() -> None:
+    """A borrowed row is censored when its times end at the last deletion_time of the times file
+    (pod 0004 there: 2400), whether it was matched by name or drawn."""
+    kept = load_trace(PODS, times_from=TIMES)
+    dropped = load_trace(PODS, times_from=TIMES, censored="drop")
+    ended_last = [n for n, (_, d) in _unscaled(kept).items() if d == 2000.0]  # deletion 2400 - scheduled 400
+    assert "openb-pod-0004" in ended_last
+    assert sorted(j.name for j in dropped.jobs) == sorted(set(_unscaled(kept)) - set(ended_last))
+    assert dropped.skipped["still running when the trace was taken (--censored drop)"] == len(ended_last)
+
+
+def test_cli_censored_drop_reports_the_skipped_pods() -> None:
+    result = CliRunner().invoke(cli, ["replay", PODS, "--times-from", TIMES, "--censored", "drop",
+                                      "--policy", "fifo-whole"])
+    assert result.exit_code == 0, result.output
+    assert "still running when the trace was taken (--censored drop)" in result.output
+    bad = CliRunner().invoke(cli, ["replay", PODS, "--times-from", TIMES, "--censored", "trim"])
+    assert bad.exit_code == 2 and "--censored" in bad.output

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from gpusched.model import MigRequest, ShareRequest, WholeRequest
-from gpusched.replay.trace import TraceError, detect_format, parse_alibaba, parse_csv, user_of
+from gpusched.replay.trace import TraceError, detect_format, load_trace, parse_alibaba, parse_csv, user_of
 from tests.replay.conftest import ALIBABA
 
 
@@ -95,3 +95,37 @@ def test_user_assignment_depends_on_seed() -> None:
     names = [f"openb-pod-{i:04d}" for i in range(200)]
     assert [user_of(n, 16, 1) for n in names] == [user_of(n, 16, 1) for n in names]
     assert [user_of(n, 16, 1) for n in names] != [user_of(n, 16, 2) for n in names]
+
+
+# Four GPU pods; the trace was taken at 5000, the last deletion_time in the file (the pod without a
+# GPU ends there too): pods 1 and 3 were still running then, so their durations are lower bounds.
+CENSORED = """
+name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time
+p0,1000,1024,1,1000,,BE,Succeeded,0,100,0
+p1,1000,1024,1,460,,LS,Running,10,5000,10
+p2,1000,1024,2,1000,,BE,Failed,20,420,20
+p3,1000,1024,1,1000,,LS,Running,30,5000,40
+p4,1000,1024,0,0,,LS,Running,40,5000,40
+"""
+
+
+def test_censored_pods_are_kept_by_default_and_dropped_before_load_scaling(write_csv: Callable[[str], str]) -> None:
+    path = write_csv(CENSORED)
+    kept = parse_alibaba(path, gpus=2, gpu_memory_mib=81559, load=0.5)
+    assert [j.name for j in kept.jobs] == ["p0", "p1", "p2", "p3"]
+    assert "still running when the trace was taken (--censored drop)" not in kept.skipped
+    dropped = parse_alibaba(path, gpus=2, gpu_memory_mib=81559, load=0.5, censored="drop")
+    assert [j.name for j in dropped.jobs] == ["p0", "p2"]
+    assert dropped.skipped["still running when the trace was taken (--censored drop)"] == 2
+    assert dropped.skipped["no GPU"] == 1
+    # The load is reached by the jobs that remain: 100 + 2 x 400 GPU-s over the scaled span 0..20.
+    span = dropped.jobs[-1].submit_s - dropped.jobs[0].submit_s
+    assert (100 + 2 * 400) / (2 * span) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="--censored must be keep or drop"):
+        parse_alibaba(path, gpus=2, gpu_memory_mib=81559, censored="trim")  # type: ignore[arg-type]
+
+
+def test_censored_is_only_for_alibaba_pod_lists(write_csv: Callable[[str], str]) -> None:
+    path = write_csv("submit_time,duration,user,gpus\n0,10,a,1\n")
+    with pytest.raises(ValueError, match="--censored is for Alibaba pod lists"):
+        load_trace(path, censored="drop")

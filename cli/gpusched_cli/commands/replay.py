@@ -29,12 +29,16 @@ from gpusched_cli.exits import EXIT_ERROR, EXIT_USAGE
 @click.option("--times-from", "times_from", type=click.Path(exists=True, dir_okay=False), default=None,
               help="for an alibaba pod list without time columns (multigpu50): take arrival and run times "
                    "from FILE (e.g. openb_pod_list_default.csv), by pod name, else from a pod drawn by hash")
+@click.option("--censored", type=click.Choice(["keep", "drop"]), default="keep", show_default=True,
+              help="alibaba: pods still running when the trace was taken (deletion_time = the file's last; "
+                   "their duration is only a lower bound): replay them as jobs, or leave them out before "
+                   "arrivals are scaled to --load")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per policy, one per line (docs/replay.md)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: utilization over time and service per user")
 @click.pass_context
 def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str | None, policy: str,
-           load: float | None, users: int, seed: int, times_from: str | None, as_json: bool,
+           load: float | None, users: int, seed: int, times_from: str | None, censored: str, as_json: bool,
            plot_path: str | None) -> None:
     """Replay a job trace through the scheduler on simulated GPUs under a virtual clock (no daemon).
 
@@ -48,7 +52,7 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
     try:
         report = runner.run_replay(trace, gpus=gpus, fmt=fmt, config_path=config_path,
                                    policies=runner.resolve_policies(policy), load=load, users=users, seed=seed,
-                                   times_from=times_from)
+                                   times_from=times_from, censored="drop" if censored == "drop" else "keep")
     except TraceError as exc:
         echo(f"gpusched: bad trace:\n{exc}", err=True)
         ctx.exit(EXIT_USAGE)
