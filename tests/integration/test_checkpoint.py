@@ -323,3 +323,23 @@ def test_a_moved_restore_that_fails_ends_the_job_as_any_failed_restore(daemon_fa
         later = _submit(20012, daemon.socket, ["true"])
         wait_until(lambda: state_of(c, later) is JobState.COMPLETED, timeout=30, what="the GPU it was given reused")
         assert c.call(ShowRequest(job_id=later), ShowResult).job.allocation.uuids == [other]  # type: ignore[union-attr]
+
+
+@needs_root
+def test_after_a_daemon_restart_a_checkpointed_job_may_still_move(daemon_factory: Any) -> None:
+    """The pins rebuilt at start-up include the other GPUs of its model, and the restore maps from
+    the GPU its state was taken on (kept in meta), not from anything the restart forgot."""
+    daemon = daemon_factory(sim="H100-80GB:2", checkpoint_moves=True, scheduler=_PREEMPT_AT_ONCE)
+    with daemon.client() as c:
+        trainer, pid, other_job, _interactive, own, other = _two_gpus_one_taken_back(daemon, c)
+    daemon.restart()
+    with daemon.client() as c:
+        assert state_of(c, trainer) is JobState.SUSPENDED
+        c.call(CancelRequest(job_ids=[other_job]), CancelResult)
+        wait_until(lambda: state_of(c, trainer) is JobState.RUNNING, timeout=30, what="trainer restored")
+        after = c.call(ShowRequest(job_id=trainer), ShowResult).job
+        assert after.pid == pid and after.allocation is not None and after.allocation.uuids == [other]
+        assert f"{own} -> {other}" in after.reason
+        _counts_on_without_redoing(c, trainer)
+        c.call(CancelRequest(job_ids=[trainer]), CancelResult)
+        wait_until(lambda: state_of(c, trainer) is JobState.CANCELLED, what="trainer cancelled")
