@@ -214,6 +214,11 @@ class DaemonConfig(BaseModel):
         "simulated on --sim) so they lose no work, when the program is available; off: preemption only requeues "
         "--requeue jobs"
     )
+    checkpoint_moves: Literal["auto"] | bool = Field(
+        default="auto", description="a checkpointed job may be restored on another free GPU of the same model "
+        "(cuda-checkpoint --device-map, driver r580+) instead of waiting for its own: true, false, or \"auto\" "
+        "(on when the driver is r580 or later; simulated GPUs report r550, so off on --sim)"
+    )
     checkpoint_binary: str | None = Field(
         default=None, max_length=4096, description="the cuda-checkpoint program (default: `cuda-checkpoint` in PATH; "
         "the simulated one on --sim)"
@@ -314,6 +319,14 @@ class DaemonConfig(BaseModel):
                                      "gres.conf must match the layout; give a fixed list and change it with "
                                      "`gpusched slurm relayout`")
         return value
+
+    @field_validator("checkpoint_moves", mode="before")
+    @classmethod
+    def _moves_switch(cls, value: object) -> object:
+        # TOML has real booleans: anything but true, false or "auto" is a mistake, not a spelling of one.
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError(f'must be true, false or "auto", not {value!r}')
 
     @field_validator("metrics_address")
     @classmethod

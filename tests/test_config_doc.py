@@ -93,6 +93,18 @@ def test_bad_value_names_the_file_and_the_key(tmp_path: Path) -> None:
         load_config(str(path), uid=0, env={})
 
 
+def test_checkpoint_moves_is_true_false_or_auto(tmp_path: Path) -> None:
+    path = tmp_path / "gpusched.toml"
+    for text, expected in (("true", True), ("false", False), ('"auto"', "auto")):
+        path.write_text(f"checkpoint_moves = {text}\n", encoding="utf-8")
+        assert load_config(str(path), uid=0, env={}).checkpoint_moves == expected
+    assert load_config(None, uid=0, env={}).checkpoint_moves == "auto"
+    for bad in ('"yes"', "1", '"Auto"'):
+        path.write_text(f"checkpoint_moves = {bad}\n", encoding="utf-8")
+        with pytest.raises(ConfigError, match=r'checkpoint_moves: Value error, must be true, false or "auto"'):
+            load_config(str(path), uid=0, env={})
+
+
 def test_toml_syntax_error_names_the_file_and_the_line(tmp_path: Path) -> None:
     path = tmp_path / "gpusched.toml"
     path.write_text('tick_s = 1.0\n\nadmin_group = "gpu\n', encoding="utf-8")

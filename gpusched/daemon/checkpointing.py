@@ -7,8 +7,15 @@ devices are free for the job that preempted it. The job waits in the scheduler's
 GPUs that hold its state (`Scheduler.pin`), and when the scheduler starts it again the engine restores
 it there instead of launching anything: same process, same progress.
 
-This module keeps what must survive a daemon restart (which jobs are checkpointed, and on which GPUs
-they resume: store meta `checkpointed`) and runs the program; the engine decides when.
+With moves allowed (`checkpoint_moves`: true, or "auto" on a driver r580+), it may instead resume on
+any whole GPU of the same model: the restore passes `--device-map old=new,...` pairing the GPUs it
+was checkpointed on with the ones it was given, in the job's order. Its environment is not changed
+(CUDA_VISIBLE_DEVICES still names the old UUIDs; the driver maps them), so the record keeps the
+environment it was launched with.
+
+This module keeps what must survive a daemon restart (which jobs are checkpointed, on which GPUs
+their state was taken, with what environment, and where a restore in progress is going: store meta
+`checkpointed`) and runs the program; the engine decides when.
 """
 
 from __future__ import annotations
@@ -18,57 +25,138 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 from gpusched.daemon.store import Store
-from gpusched.gpu.checkpoint import CheckpointError, CudaCheckpoint, checkpoint_binary, unsupported_reason
-from gpusched.gpu.simcheckpoint import DIR_ENV
+from gpusched.gpu.backend import Inventory
+from gpusched.gpu.checkpoint import (
+    CheckpointError,
+    CudaCheckpoint,
+    checkpoint_binary,
+    driver_can_move,
+    unsupported_reason,
+)
+from gpusched.gpu.simcheckpoint import DIR_ENV, write_gpus
 from gpusched.model import Job, JobState
+
+MovesSetting = Literal["auto"] | bool
 
 META_KEY = "checkpointed"
 
 log = logging.getLogger("gpusched.checkpoint")
 
 
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One checkpointed job as kept in meta: the GPUs its state was taken on, its processes, the
+    environment it was launched with, and (while a restore runs) the GPUs it is being restored on."""
+
+    uuids: tuple[str, ...]
+    pids: tuple[int, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    to: tuple[str, ...] = ()
+
+
 class Checkpoints:
     """Which jobs are checkpointed and where they resume; the calls that checkpoint and restore them."""
 
-    def __init__(self, store: Store, tool: CudaCheckpoint | None, *, machine: str | None = None) -> None:
+    def __init__(self, store: Store, tool: CudaCheckpoint | None, *, machine: str | None = None,
+                 moves: MovesSetting = "auto", sim_dir: str | None = None) -> None:
         self.store = store
         self.tool = tool
         self.machine = machine or platform.machine()
-        self.driver_version: str | None = None  # from the inventory; None on simulated GPUs
-        self.pinned: dict[int, tuple[str, ...]] = {}  # checkpointed job -> the GPUs that hold its state
-        self.pids: dict[int, tuple[int, ...]] = {}  # ... and its processes that were checkpointed
-        for job_id, (uuids, pids) in _load(store.get_meta(META_KEY)).items():
-            self.pinned[job_id] = uuids
-            if pids:
-                self.pids[job_id] = pids
+        self.moves_setting: MovesSetting = moves
+        self.sim_dir = sim_dir  # the simulated program's state dir: it learns the node's GPUs there
+        self.driver_version: str | None = None  # from the inventory
+        self._gpus_written: dict[str, str] | None = None
+        self.saved: dict[int, Saved] = _load(store.get_meta(META_KEY))
 
     @classmethod
     def from_config(cls, store: Store, *, enabled: bool, binary: str | None, timeout_s: float, sim: bool,
-                    state_dir: str) -> Checkpoints:
+                    state_dir: str, moves: MovesSetting = "auto") -> Checkpoints:
         """The daemon's: off when `enabled` is false or the program cannot be run. On simulated GPUs
         the simulated program keeps its per-process state under the daemon's state dir."""
         if not enabled:
-            return cls(store, None)
+            return cls(store, None, moves=moves)
         program = checkpoint_binary(binary, sim=sim)
         env = None
+        sim_dir = None
         if sim and binary is None:
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), DIR_ENV: os.path.join(state_dir, "sim-checkpoint")}
+            sim_dir = os.path.join(state_dir, "sim-checkpoint")
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), DIR_ENV: sim_dir}
         tool = CudaCheckpoint(program, timeout_s, env=env)
         if not tool.available():
             log.info("cuda-checkpoint (%s) is not available: preemption requeues instead of checkpointing", program)
-            return cls(store, None)
-        return cls(store, tool)
+            return cls(store, None, moves=moves)
+        return cls(store, tool, moves=moves, sim_dir=sim_dir)
 
     @property
     def enabled(self) -> bool:
         return self.tool is not None
 
+    @property
+    def moves(self) -> bool:
+        """May a checkpointed job be restored on other GPUs of its model? The config says, and on
+        "auto" the driver: `--device-map` needs r580 (an older one would fail every moved restore)."""
+        if self.tool is None or self.moves_setting is False:
+            return False
+        return self.moves_setting is True or driver_can_move(self.driver_version)
+
+    def observe(self, inventory: Inventory) -> None:
+        """The node as the inventory reads it: the driver version decides "auto" (and r550+ for
+        checkpointing at all); on --sim the simulated program is told the GPUs and their models,
+        which the real program learns from the driver, so it can refuse a map across models."""
+        self.driver_version = inventory.driver_version or None
+        if self.sim_dir is None:
+            return
+        gpus = {g.uuid: g.model for g in inventory.gpus}
+        if gpus != self._gpus_written:
+            try:
+                write_gpus(self.sim_dir, gpus)
+                self._gpus_written = gpus
+            except OSError as exc:
+                log.warning("cannot tell the simulated cuda-checkpoint the GPUs: %s", exc)
+
+    def resume_devices(self, job_id: int, inventory: Inventory) -> tuple[str, ...]:
+        """Where a checkpointed job may resume: its own GPUs, or with moves any whole GPU (MIG off)
+        of the models it was on (the scheduler's own choice after a preemption, core/sched_preempt)."""
+        entry = self.saved.get(job_id)
+        if entry is None:
+            return ()
+        if not self.moves:
+            return entry.uuids
+        models = {g.model for g in inventory.gpus if g.uuid in entry.uuids}
+        moved = tuple(g.uuid for g in inventory.gpus if g.model in models and not g.mig_enabled)
+        return tuple(dict.fromkeys((*entry.uuids, *moved)))
+
+    def device_map(self, job_id: int, new: Sequence[str]) -> dict[str, str] | None:
+        """`--device-map` for restoring on `new`: the job's old GPUs paired with the new ones in order
+        (the job's device i stays its device i); None when it resumes where it was."""
+        entry = self.saved.get(job_id)
+        if entry is None or tuple(new) == entry.uuids:
+            return None
+        if len(new) != len(entry.uuids):
+            raise CheckpointError(0, f"job {job_id} was checkpointed on {len(entry.uuids)} GPU(s) and given "
+                                  f"{len(new)}; a device map pairs them one to one")
+        return dict(zip(entry.uuids, new, strict=True))
+
+    def launch_env(self, job_id: int) -> dict[str, str]:
+        """The environment the job was launched with: a restored job still runs with it."""
+        entry = self.saved.get(job_id)
+        return dict(entry.env) if entry is not None else {}
+
+    def restoring_to(self, job_id: int, uuids: Sequence[str]) -> None:
+        """Record where a restore is going before it runs (a restart mid-restore finishes it there)."""
+        entry = self.saved.get(job_id)
+        if entry is not None and entry.to != tuple(uuids):
+            self.saved[job_id] = Saved(entry.uuids, entry.pids, entry.env, tuple(uuids))
+            self._save()
+
     def holds(self, job: Job) -> bool:
         """Is this job checkpointed (SUSPENDED, its GPU given away, waiting to be restored)?"""
-        return job.id in self.pinned and job.state is JobState.SUSPENDED and job.allocation is None
+        return job.id in self.saved and job.state is JobState.SUSPENDED and job.allocation is None
 
     def why_not(self, job: Job) -> str | None:
         """Why this job cannot be checkpointed now, or None when it can."""
@@ -93,30 +181,45 @@ class Checkpoints:
                 with contextlib.suppress(CheckpointError):
                     await self.tool.restore(pid)
             raise
-        self.pinned[job.id] = tuple(job.allocation.uuids)
-        self.pids[job.id] = tuple(pids)
+        self.saved[job.id] = Saved(tuple(job.allocation.uuids), tuple(pids), dict(job.allocation.env))
         self._save()
 
-    async def restore(self, job: Job) -> None:
-        """Restore the job's CUDA processes onto its GPUs. Raises CheckpointError."""
+    async def restore(self, job: Job, device_map: Mapping[str, str] | None = None) -> None:
+        """Restore the job's CUDA processes onto its GPUs, or through `device_map` onto others.
+        Raises CheckpointError."""
         if self.tool is None:
             raise CheckpointError(job.pid or 0, "checkpointing is off (the daemon restarted with checkpoint = "
                                   "false or without cuda-checkpoint); the job cannot get its GPU state back")
-        for pid in self.pids.get(job.id) or ((job.pid,) if job.pid else ()):
-            await self.tool.restore(pid)
+        entry = self.saved.get(job.id)
+        for pid in (entry.pids if entry is not None else ()) or ((job.pid,) if job.pid else ()):
+            await self.tool.restore(pid, device_map)
 
     def forget(self, job_id: int) -> None:
-        self.pids.pop(job_id, None)
-        if self.pinned.pop(job_id, None) is not None:
+        if self.saved.pop(job_id, None) is not None:
             self._save()
 
     def _save(self) -> None:
-        self.store.set_meta(META_KEY, json.dumps(
-            {str(k): {"uuids": list(v), "pids": list(self.pids.get(k, ()))} for k, v in self.pinned.items()}))
+        data: dict[str, dict[str, object]] = {}
+        for job_id, entry in self.saved.items():
+            row: dict[str, object] = {"uuids": list(entry.uuids), "pids": list(entry.pids)}
+            if entry.env:
+                row["env"] = dict(entry.env)
+            if entry.to:
+                row["to"] = list(entry.to)
+            data[str(job_id)] = row
+        self.store.set_meta(META_KEY, json.dumps(data))
 
 
-def _load(saved: str | None) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
-    """The saved map; entries that are not `job id -> {uuids: [...], pids: [...]}` are dropped."""
+def _strings(value: object) -> tuple[str, ...] | None:
+    """A JSON list of strings as a tuple; None when it is anything else."""
+    if isinstance(value, list) and all(isinstance(u, str) for u in value):
+        return tuple(value)
+    return None
+
+
+def _load(saved: str | None) -> dict[int, Saved]:
+    """The saved map; entries that are not `job id -> {uuids: [...], pids: [...], env?: {...}, to?: [...]}`
+    are dropped (an older record without env or to is read as having none)."""
     if not saved:
         return {}
     try:
@@ -124,13 +227,15 @@ def _load(saved: str | None) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]
     except ValueError:
         log.warning("the saved list of checkpointed jobs is unreadable; none is restored")
         return {}
-    out: dict[int, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    out: dict[int, Saved] = {}
     if isinstance(data, Mapping):
         for key, entry in data.items():
             if not (isinstance(key, str) and key.isdigit() and isinstance(entry, Mapping)):
                 continue
-            uuids, pids = entry.get("uuids"), entry.get("pids", [])
-            if isinstance(uuids, list) and uuids and all(isinstance(u, str) for u in uuids) \
-                    and isinstance(pids, list) and all(isinstance(p, int) and p > 0 for p in pids):
-                out[int(key)] = (tuple(uuids), tuple(pids))
+            uuids, to = _strings(entry.get("uuids")), _strings(entry.get("to", []))
+            pids, env = entry.get("pids", []), entry.get("env", {})
+            if uuids and to is not None \
+                    and isinstance(pids, list) and all(isinstance(p, int) and p > 0 for p in pids) \
+                    and isinstance(env, Mapping) and all(isinstance(v, str) for v in env.values()):
+                out[int(key)] = Saved(uuids, tuple(pids), dict(env), to)
     return out

@@ -84,7 +84,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self.launcher = Launcher(config, executor, cgroups)
         self.checkpoints = Checkpoints.from_config(
             store, enabled=config.checkpoint, binary=config.checkpoint_binary, timeout_s=config.checkpoint_timeout_s,
-            sim=config.sim is not None, state_dir=config.state_dir)
+            sim=config.sim is not None, state_dir=config.state_dir, moves=config.checkpoint_moves)
         self.jobs: dict[int, Job] = {}
         self._yielded: set[int] = set()  # shares the scheduler suspended in place (store meta `yielded`)
         self._history_saved_at = float("-inf")
@@ -225,6 +225,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             mps_owner=self._mps_owners(),
             reserved_interactive=self._reserved_interactive(),
             checkpoint=self.checkpoints.enabled,
+            checkpoint_moves=self.checkpoints.moves,
             yielded=frozenset(self._yielded),
         )
 
@@ -250,18 +251,18 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
 
     def requeue_all(self) -> None:
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
-        the checkpointed ones pinned to the GPUs that hold their state."""
+        the checkpointed ones pinned to the GPUs they may resume on."""
         self._handing.clear()  # array tasks not handed over yet go now, with the others
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
             elif self.checkpoints.holds(job) and self._incremental:
-                self.scheduler.pin(job.id, self.checkpoints.pinned[job.id])
+                self.scheduler.pin(job.id, self.checkpoints.resume_devices(job.id, self.inventory))
                 self.scheduler.submit(job)
-            elif job.id in self.checkpoints.pinned and job.state is JobState.SUSPENDED:
+            elif job.id in self.checkpoints.saved and job.state is JobState.SUSPENDED:
                 self._spawn(self._restore(job))  # the daemon stopped while restoring it: finish that
                 continue
-        for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.pinned)
+        for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.saved)
                        if j is None or j.state is not JobState.SUSPENDED]:
             self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down
 
@@ -331,7 +332,11 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         (everything between the shim's fork and the job's exec runs as that user) can stall it."""
         job = self.jobs.get(action.job_id)
         if job is not None and self.checkpoints.holds(job):
-            job = self.jobs[job.id] = self.store.update(job, allocation=action.allocation)  # held from now on
+            # Held from now on. Its processes keep the environment they were launched with (a move
+            # changes the GPUs behind its UUIDs, not its environment), so that is what `show` lists.
+            allocation = action.allocation.model_copy(update={"env": self.checkpoints.launch_env(job.id)})
+            self.checkpoints.restoring_to(job.id, allocation.uuids)
+            job = self.jobs[job.id] = self.store.update(job, allocation=allocation)
             self._spawn(self._restore(job))
             return
         if job is None or job.state is not JobState.PENDING:

@@ -228,7 +228,7 @@ class EngineCore:
             self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
         if job.id in self._yielded and state is not JobState.SUSPENDED:
             self._set_yielded(job.id, False)  # resumed, continued by a signal, or ended
-        if state in TERMINAL_STATES and job.id in self.checkpoints.pinned:
+        if state in TERMINAL_STATES and job.id in self.checkpoints.saved:
             self.checkpoints.forget(job.id)
             self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
         if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):

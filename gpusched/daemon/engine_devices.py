@@ -29,7 +29,7 @@ class DevicesMixin(EngineCore):
             self.inventory = await asyncio.to_thread(self.backend.inventory)
         except GpuError as exc:
             log.error("cannot read GPU inventory: %s", exc.message)
-        self.checkpoints.driver_version = self.inventory.driver_version or None  # r550+ for cuda-checkpoint
+        self.checkpoints.observe(self.inventory)  # the driver version: r550+ to checkpoint, r580+ to move
 
     def _on_gpu_event(self, event: XidEvent) -> None:
         """An XID (or a lost GPU) from the driver: apply the policy to the jobs on those devices."""

@@ -1,5 +1,6 @@
 """Preemption that loses no work, carried out: a share suspended in place (SIGSTOP), a whole-GPU
-job checkpointed with cuda-checkpoint and restored on its GPU (daemon/checkpointing.py).
+job checkpointed with cuda-checkpoint and restored on its GPU, or moved to another of the same model
+with a device map (daemon/checkpointing.py).
 
 Requeue preemption needs nothing here: it is a stop request (engine_core)."""
 
@@ -59,16 +60,20 @@ class PreemptionMixin(EngineCore):
             self.wake()
             return
         current = self._set(current, JobState.SUSPENDED, reason, allocation=None)
-        self.scheduler.pin(current.id, self.checkpoints.pinned[current.id])
+        self.scheduler.pin(current.id, self.checkpoints.resume_devices(current.id, self.inventory))
         self.scheduler.submit(current)
         self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
                                    message=f"checkpointed; its GPU state waits in host memory: {reason}"))
         self.wake()
 
     async def _restore(self, job: Job) -> None:
-        """Give a checkpointed job its GPU state back on the devices it was given (the pinned ones)."""
+        """Give a checkpointed job its GPU state back on the devices it was given: the ones that held
+        it, or others of the same model through a device map (the job's device i onto its new device
+        i). A failed restore, moved or not, ends the job as it always has: requeued or FAILED."""
+        new = job.allocation.uuids if job.allocation is not None else []
         try:
-            await self.checkpoints.restore(job)
+            device_map = self.checkpoints.device_map(job.id, new)
+            await self.checkpoints.restore(job, device_map)
         except CheckpointError as exc:
             current = self.jobs.get(job.id)
             if current is not None and current.state is JobState.SUSPENDED:
@@ -79,5 +84,17 @@ class PreemptionMixin(EngineCore):
             self.checkpoints.forget(job.id)
         current = self.jobs.get(job.id)
         if current is not None and current.state is JobState.SUSPENDED and current.id not in self._stops:
-            self._set(current, JobState.RUNNING, "restored from checkpoint on the devices that held its state")
+            if device_map:
+                how = (f"restored from checkpoint on other GPUs of the same model: "
+                       f"{', '.join(f'{a} -> {b}' for a, b in device_map.items())}")
+            else:
+                how = "restored from checkpoint on the devices that held its state"
+            self._set(current, JobState.RUNNING, how)
+            self.store.add_event(Event(at=self.clock(), kind="restored", job_id=job.id, message=how,
+                                       device=",".join(new) or None, gpu=self._gpu_index(new[0]) if new else None))
+            if device_map:
+                log.info("job %d: %s", job.id, how)
         self.wake()
+
+    def _gpu_index(self, uuid: str) -> int | None:
+        return next((g.index for g in self.inventory.gpus if g.uuid == uuid), None)

@@ -111,7 +111,7 @@ class RecoveryMixin(EngineCore):
         now = self.clock()
         suspended = {j.pid: j for j in self.active_jobs() if j.state is JobState.SUSPENDED and j.pid
                      and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S
-                     and j.id not in self.checkpoints.pinned}
+                     and j.id not in self.checkpoints.saved}
         for sid, states in session_states(suspended).items():
             if is_running(states):
                 self._set(suspended[sid], JobState.RUNNING, "continued by a signal gpusched did not send while "

@@ -14,6 +14,7 @@ The program's CLI (help text quoted in the README for 570.86.10 and, with `--dev
     cuda-checkpoint --action checkpoint|restore|unlock --pid PID
     cuda-checkpoint --toggle --pid PID             lock+checkpoint, or restore+unlock
     cuda-checkpoint --get-restore-tid --pid PID    prints a thread id
+    cuda-checkpoint --action restore --pid PID --device-map OLD=NEW,...   (r580+) restore onto other GPUs
 
 Success prints nothing (README; issue #42); a failure prints `Could not ACTION on process ID PID:
 "<CUDA error string>"` (issues #10, #35, #42) and exits with the CUDA error code, truncated to 8 bits
@@ -50,6 +51,7 @@ STATES: Final = ("running", "locked", "checkpointed", "failed")
 State = Literal["running", "locked", "checkpointed", "failed"]
 MAX_OUTPUT_BYTES: Final = 64 * 1024  # the tool prints one line; anything past this is drained and dropped
 MIN_DRIVER_MAJOR: Final = 550  # README: "supports display driver version 550 and higher"
+MOVE_DRIVER_MAJOR: Final = 580  # --device-map (restore onto other GPUs) first shipped with 580.65.06
 _QUOTED_ERROR = re.compile(r'"([^"]*)"\s*$')
 
 
@@ -97,6 +99,13 @@ def command_prefix(binary: str) -> list[str]:
     return [binary]
 
 
+def driver_can_move(driver_version: str | None) -> bool:
+    """Can this driver restore a checkpoint onto other GPUs (`--device-map`, r580+)? Unknown or
+    unreadable versions say no: a restore that cannot map fails, and the job with it."""
+    major = (driver_version or "").split(".", 1)[0]
+    return major.isdigit() and int(major) >= MOVE_DRIVER_MAJOR
+
+
 def unsupported_reason(allocation: Allocation | None, *, machine: str, driver_version: str | None = None) -> str | None:
     """Why a job with this allocation cannot be preempted by checkpointing, or None when it can.
 
@@ -121,6 +130,15 @@ def unsupported_reason(allocation: Allocation | None, *, machine: str, driver_ve
     if allocation.share is not None:
         return f"the job shares a GPU (share {allocation.share:g}); only whole-GPU jobs are checkpointed"
     return None
+
+
+def format_device_map(device_map: Mapping[str, str]) -> str:
+    """`--device-map`'s argument: `old=new,old=new` in the mapping's order. UUIDs never hold `=` or
+    `,`; a value that does is refused here rather than sent as a different map."""
+    for uuid in (*device_map.keys(), *device_map.values()):
+        if not uuid or "=" in uuid or "," in uuid:
+            raise ValueError(f"not a GPU UUID for --device-map: {uuid!r}")
+    return ",".join(f"{old}={new}" for old, new in device_map.items())
 
 
 class CudaCheckpoint:
@@ -204,10 +222,16 @@ class CudaCheckpoint:
             raise CheckpointError(pid, f"--get-restore-tid printed {text[:200]!r}, not a thread id")
         return int(text)
 
-    async def action(self, pid: int, action: Literal["lock", "checkpoint", "restore", "unlock"]) -> None:
+    async def action(self, pid: int, action: Literal["lock", "checkpoint", "restore", "unlock"], *,
+                     device_map: Mapping[str, str] | None = None) -> None:
+        """One step. `device_map` (old GPU UUID -> new, restore only; r580+) restores onto other GPUs."""
         args = ["--action", action, "--pid", str(pid)]
         if action == "lock":
             args += ["--timeout", str(self.lock_timeout_ms)]
+        if device_map:
+            if action != "restore":
+                raise ValueError("a device map applies to the restore action only")
+            args += ["--device-map", format_device_map(device_map)]
         await self._call(pid, args)
 
     async def checkpoint(self, pid: int) -> None:
@@ -238,10 +262,14 @@ class CudaCheckpoint:
                 await self.action(pid, "unlock")
                 err.state = "running"
 
-    async def restore(self, pid: int) -> None:
+    async def restore(self, pid: int, device_map: Mapping[str, str] | None = None) -> None:
         """checkpointed -> locked -> running. Already running: nothing to do. A restore that fails
         (typically out of GPU memory) leaves the process checkpointed; per NVIDIA/cuda-checkpoint#44
-        later restores may then fail for good, and only killing the process helps."""
+        later restores may then fail for good, and only killing the process helps.
+
+        `device_map` (old GPU UUID -> new GPU UUID, r580+) restores onto other GPUs of the same chip;
+        it must name every GPU the process was checkpointed on (cuCheckpointProcessRestore), else
+        the program fails with "invalid argument" and the process stays checkpointed."""
         current = await self.state(pid)
         if current == "running":
             return
@@ -249,7 +277,7 @@ class CudaCheckpoint:
             raise CheckpointError(pid, "CUDA state is failed; it cannot be restored", state=current)
         try:
             if current == "checkpointed":
-                await self.action(pid, "restore")
+                await self.action(pid, "restore", device_map=device_map)
             await self.action(pid, "unlock")
         except CheckpointError as err:
             err.state = await self._state_or_none(pid)

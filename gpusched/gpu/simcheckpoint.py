@@ -15,13 +15,23 @@ What it reproduces (sources in docs/gpu.md, "cuda-checkpoint"):
   prints `Could not ACTION on process ID PID: "<CUDA error string>"` (`Error toggling CUDA in process
   ID PID: "..."` for --toggle) and exits with the CUDA error code & 0xFF (a process exit status);
 - a restore that fails out of memory wedges the process as issue #44 reports: it stays
-  checkpointed, later restores fail with CUDA_ERROR_OPERATING_SYSTEM and unlock with ILLEGAL_STATE.
+  checkpointed, later restores fail with CUDA_ERROR_OPERATING_SYSTEM and unlock with ILLEGAL_STATE;
+- a restore with `--device-map` follows cuCheckpointProcessRestore: the map "must contain every
+  checkpointed GPU" and each new GPU must "be of the same chip type as the old GPU"; otherwise it
+  fails with "invalid argument" (what issue #35 shows for a map the driver refuses) and the process
+  stays checkpointed, so a later restore may still succeed. After a move the process's GPUs are the
+  new ones: a later checkpoint and restore start from those.
 
 Deliberate difference: the real tool leaves the process's CPU threads running and blocks only its CUDA
 calls. This fake has no CUDA to block, so `lock` sends SIGSTOP and `unlock` SIGCONT: a locked or
 checkpointed process makes no progress at all, which tests can observe (/proc/PID/stat state T).
 Every live process counts as a CUDA process (the real tool says "initialization error" for one
 without CUDA). GPU memory is not tracked here: the daemon mirrors the release in its SimNVML.
+The GPUs a process uses are the UUIDs in its CUDA_VISIBLE_DEVICES (read from /proc/PID/environ at
+checkpoint; unreadable or unset: unknown, and a map is then not checked for coverage). The node's
+GPUs and their models, which the real tool gets from the driver, are read from `<dir>/gpus.json`
+({"GPU-uuid": "model"}; the daemon writes it on --sim, tests with `write_gpus`); a map onto a GPU
+not listed there fails like one onto a GPU the node does not have.
 
 State: one JSON file per locked/checkpointed pid in $GPUSCHED_SIM_CHECKPOINT_DIR (default
 /tmp/gpusched-sim-checkpoint-UID), keyed by pid and the process's start time so a reused pid starts
@@ -42,6 +52,7 @@ from typing import Any
 
 VERSION = "580.65.06"
 DIR_ENV = "GPUSCHED_SIM_CHECKPOINT_DIR"
+GPUS_FILE = "gpus.json"  # the node's GPUs as the driver knows them: {"GPU-uuid": "model"}
 
 # CUDA error codes and cuGetErrorString() texts (cuda.h).
 ERRORS: dict[str, tuple[int, str]] = {
@@ -138,7 +149,8 @@ class Store:
         return record
 
     def save(self, pid: int, started: str, record: dict[str, Any]) -> None:
-        if record["state"] == "running" and not record.get("wedged"):
+        # A moved process keeps its record while running: its GPUs are no longer its environment's.
+        if record["state"] == "running" and not record.get("wedged") and not record.get("moved"):
             self.drop(pid)
             return
         record["start_time"] = started
@@ -150,6 +162,17 @@ class Store:
     def drop(self, pid: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(pid))
+
+    def gpus(self) -> dict[str, str]:
+        """The node's GPUs (UUID -> model); none when the file is missing or unreadable."""
+        try:
+            with open(os.path.join(self.root, GPUS_FILE)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
     def injected(self, pid: int, operation: str) -> str | None:
         """A failure a test asked for: consumed once."""
@@ -185,6 +208,40 @@ def inject(directory: str, pid: int, operation: str, error: str) -> None:
         json.dump(plan, f)
 
 
+def write_gpus(directory: str, gpus: dict[str, str]) -> None:
+    """Tell the fake which GPUs the node has (UUID -> model), as the driver would know them."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = os.path.join(directory, GPUS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(gpus, f)
+    os.replace(tmp, os.path.join(directory, GPUS_FILE))
+
+
+def visible_devices(pid: int) -> list[str]:
+    """The GPU UUIDs in the process's CUDA_VISIBLE_DEVICES (the GPUs its CUDA context can be on);
+    empty when unset, unreadable, or not UUIDs (then unknown)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
+            uuids = entry.partition(b"=")[2].decode(errors="replace").split(",")
+            return uuids if all(u.startswith("GPU-") for u in uuids) else []
+    return []
+
+
+def check_device_map(record: dict[str, Any], device_map: dict[str, str], gpus: dict[str, str]) -> None:
+    """cuCheckpointProcessRestore's rules for a map: every checkpointed GPU is named, and each new
+    GPU exists and is the same chip as the old one (a GPU mapped onto itself is always fine)."""
+    if any(uuid not in device_map for uuid in record.get("devices") or ()):
+        raise CudaFailure("CUDA_ERROR_INVALID_VALUE")
+    for old, new in device_map.items():
+        if new != old and (old not in gpus or gpus.get(new) != gpus[old]):
+            raise CudaFailure("CUDA_ERROR_INVALID_VALUE")
+
+
 def signal_process(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -211,11 +268,17 @@ def step(store: Store, pid: int, record: dict[str, Any], action: str, device_map
         signal_process(pid, signal.SIGSTOP)  # the fake's stand-in for "CUDA calls block"
         record["state"] = "locked"
     elif action == "checkpoint":
+        if not record.get("moved"):
+            record["devices"] = visible_devices(pid)
         record["state"] = "checkpointed"
     elif action == "restore":
-        record["state"] = "locked"
         if device_map:
+            check_device_map(record, device_map, store.gpus())
+            devices = record.get("devices") or []
+            record["devices"] = [device_map.get(u, u) for u in devices]
             record["device_map"] = device_map
+            record["moved"] = record.get("moved") or record["devices"] != devices
+        record["state"] = "locked"
     else:
         signal_process(pid, signal.SIGCONT)
         record["state"] = "running"

@@ -22,6 +22,8 @@ from gpusched.gpu.checkpoint import (
     CudaCheckpoint,
     available,
     checkpoint_binary,
+    driver_can_move,
+    format_device_map,
     unsupported_reason,
 )
 from gpusched.model import AllocatedDevice, Allocation
@@ -383,9 +385,82 @@ def test_fake_device_map_only_on_restore(sim_dir: Path, child: subprocess.Popen[
         assert fake_cli(["--action", action, "--pid", pid], sim_dir).returncode == 0
     bad = fake_cli(["--action", "restore", "--pid", pid, "-d", "GPU-a"], sim_dir)
     assert bad.returncode == 1 and '"invalid argument"' in bad.stderr
+    simcheckpoint.write_gpus(str(sim_dir), {"GPU-a": "H100-80GB", "GPU-b": "H100-80GB"})
     assert fake_cli(["--action", "restore", "--pid", pid, "-d", "GPU-a=GPU-b"], sim_dir).returncode == 0
     assert fake_cli(["--get-state", "--pid", pid], sim_dir).stdout == "locked\n"
     assert fake_cli(["--action", "unlock", "--pid", pid], sim_dir).returncode == 0
+
+
+@pytest.fixture
+def on_gpu0() -> Iterator[subprocess.Popen[bytes]]:
+    """A stand-in job process whose CUDA context is on GPU-0 (its CUDA_VISIBLE_DEVICES)."""
+    proc = subprocess.Popen(["sleep", "600"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-0"})
+    yield proc
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+    proc.wait(timeout=10)
+
+
+def test_fake_restores_onto_another_gpu_of_the_same_chip_only(sim_dir: Path,
+                                                              on_gpu0: subprocess.Popen[bytes]) -> None:
+    """cuCheckpointProcessRestore: the new GPU must be the same chip, must exist, and the map must
+    name every checkpointed GPU; a refused map leaves the process checkpointed for another try."""
+    pid = str(on_gpu0.pid)
+    simcheckpoint.write_gpus(str(sim_dir), {"GPU-0": "H100-80GB", "GPU-1": "H100-80GB", "GPU-2": "A100-80GB"})
+    assert fake_cli(["--toggle", "--pid", pid], sim_dir).returncode == 0
+    for refused in ("GPU-0=GPU-2",  # another chip
+                    "GPU-0=GPU-9",  # no such GPU on this node
+                    "GPU-1=GPU-0"):  # does not name GPU-0, which the process was checkpointed on
+        bad = fake_cli(["--action", "restore", "--pid", pid, "--device-map", refused], sim_dir)
+        assert (bad.returncode, bad.stderr) == (1, f'Could not restore on process ID {pid}: "invalid argument"\n')
+        assert fake_cli(["--get-state", "--pid", pid], sim_dir).stdout == "checkpointed\n"
+    assert fake_cli(["--action", "restore", "--pid", pid, "--device-map", "GPU-0=GPU-1"], sim_dir).returncode == 0
+    assert fake_cli(["--action", "unlock", "--pid", pid], sim_dir).returncode == 0
+    assert wait_for(lambda: proc_state(on_gpu0.pid) != "T")
+    # Now on GPU-1 (its environment still says GPU-0): the next restore must map GPU-1, not GPU-0.
+    assert fake_cli(["--toggle", "--pid", pid], sim_dir).returncode == 0
+    stale = fake_cli(["--action", "restore", "--pid", pid, "--device-map", "GPU-0=GPU-1"], sim_dir)
+    assert stale.returncode == 1 and '"invalid argument"' in stale.stderr
+    assert fake_cli(["--action", "restore", "--pid", pid, "-d", "GPU-1=GPU-0"], sim_dir).returncode == 0
+
+
+def test_fake_identity_map_needs_no_gpu_list(sim_dir: Path, on_gpu0: subprocess.Popen[bytes]) -> None:
+    """Mapping a GPU onto itself is a plain restore (issue #35: it works where a move did not)."""
+    pid = str(on_gpu0.pid)
+    assert fake_cli(["--toggle", "--pid", pid], sim_dir).returncode == 0
+    assert fake_cli(["--action", "restore", "--pid", pid, "-d", "GPU-0=GPU-0"], sim_dir).returncode == 0
+
+
+def test_restore_with_a_device_map_passes_it_in_order(tmp_path: Path) -> None:
+    """The wrapper sends `--device-map old=new,...` with the restore step only, in the job's order."""
+    log = tmp_path / "calls"
+    tool = script(tmp_path, "cc", f'echo "$@" >> {log}\ncase "$*" in *--get-state*) echo checkpointed;; esac\n')
+    asyncio.run(CudaCheckpoint(tool, timeout_s=10).restore(7, {"GPU-b": "GPU-d", "GPU-a": "GPU-c"}))
+    assert log.read_text().splitlines() == ["--get-state --pid 7",
+                                            "--action restore --pid 7 --device-map GPU-b=GPU-d,GPU-a=GPU-c",
+                                            "--action unlock --pid 7"]
+    with pytest.raises(ValueError, match="not a GPU UUID"):
+        format_device_map({"GPU-a": "GPU-b,GPU-c"})
+
+
+def test_a_refused_device_map_is_a_checkpoint_error_that_leaves_it_checkpointed(
+        cc: CudaCheckpoint, sim_dir: Path, on_gpu0: subprocess.Popen[bytes]) -> None:
+    simcheckpoint.write_gpus(str(sim_dir), {"GPU-0": "H100-80GB", "GPU-2": "A100-80GB"})
+
+    async def go() -> CheckpointError:
+        await cc.checkpoint(on_gpu0.pid)
+        with pytest.raises(CheckpointError) as failed:
+            await cc.restore(on_gpu0.pid, {"GPU-0": "GPU-2"})
+        return failed.value
+
+    err = asyncio.run(go())
+    assert (err.exit_code, err.cuda_error, err.state) == (1, "invalid argument", "checkpointed")
+
+
+def test_driver_can_move() -> None:
+    assert [driver_can_move(v) for v in ("580.65.06", "595.1", "550.90.07", "", None, "x.1")] == [
+        True, True, False, False, False, False]
 
 
 def test_fake_ignores_a_stale_record_of_a_reused_pid(sim_dir: Path, child: subprocess.Popen[bytes]) -> None:
