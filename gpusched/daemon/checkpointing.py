@@ -59,6 +59,16 @@ class Saved:
     to: tuple[str, ...] = ()
 
 
+class MoveRefused(CheckpointError):
+    """A restore through a device map failed before any process of the job was restored, leaving it
+    checkpointed (NVIDIA/cuda-checkpoint#35 reports same-node moves refused with "invalid argument"):
+    nothing is lost, and the job may still be restored on its own GPUs without a map."""
+
+    def __init__(self, cause: CheckpointError) -> None:
+        super().__init__(cause.pid, cause.message.removeprefix(f"cuda-checkpoint on pid {cause.pid}: "),
+                         cause.exit_code, cuda_error=cause.cuda_error, state=cause.state, hint=cause.hint)
+
+
 class Checkpoints:
     """Which jobs are checkpointed and where they resume; the calls that checkpoint and restore them."""
 
@@ -191,8 +201,24 @@ class Checkpoints:
             raise CheckpointError(job.pid or 0, "checkpointing is off (the daemon restarted with checkpoint = "
                                   "false or without cuda-checkpoint); the job cannot get its GPU state back")
         entry = self.saved.get(job.id)
-        for pid in (entry.pids if entry is not None else ()) or ((job.pid,) if job.pid else ()):
-            await self.tool.restore(pid, device_map)
+        for restored, pid in enumerate((entry.pids if entry is not None else ()) or ((job.pid,) if job.pid else ())):
+            try:
+                await self.tool.restore(pid, device_map)
+            except CheckpointError as exc:
+                if device_map and restored == 0 and exc.state == "checkpointed":
+                    raise MoveRefused(exc) from exc
+                raise
+
+    def stay(self, job_id: int) -> tuple[str, ...]:
+        """After a refused move: the job waits for its own GPUs (where its state can go back without
+        a map); the restore target is cleared. Returns those GPUs."""
+        entry = self.saved.get(job_id)
+        if entry is None:
+            return ()
+        if entry.to:
+            self.saved[job_id] = Saved(entry.uuids, entry.pids, entry.env)
+            self._save()
+        return entry.uuids
 
     def forget(self, job_id: int) -> None:
         if self.saved.pop(job_id, None) is not None:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 
+from gpusched.daemon.checkpointing import MoveRefused
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.launch import cuda_pids
 from gpusched.daemon.recovery import StopRequest
@@ -69,11 +70,17 @@ class PreemptionMixin(EngineCore):
     async def _restore(self, job: Job) -> None:
         """Give a checkpointed job its GPU state back on the devices it was given: the ones that held
         it, or others of the same model through a device map (the job's device i onto its new device
-        i). A failed restore, moved or not, ends the job as it always has: requeued or FAILED."""
+        i). A move that fails while leaving the job checkpointed sends it back to wait for its own
+        GPUs (one more chance, without a map); any other failed restore ends the job as it always
+        has: requeued or FAILED."""
         new = job.allocation.uuids if job.allocation is not None else []
+        still_checkpointed = False
         try:
             device_map = self.checkpoints.device_map(job.id, new)
             await self.checkpoints.restore(job, device_map)
+        except MoveRefused as exc:
+            still_checkpointed = self._stay_checkpointed(job, exc)
+            return
         except CheckpointError as exc:
             current = self.jobs.get(job.id)
             if current is not None and current.state is JobState.SUSPENDED:
@@ -81,7 +88,8 @@ class PreemptionMixin(EngineCore):
                 self._request_stop(current, StopRequest(final, f"restore from checkpoint failed: {exc.message}"))
             return
         finally:
-            self.checkpoints.forget(job.id)
+            if not still_checkpointed:
+                self.checkpoints.forget(job.id)
         current = self.jobs.get(job.id)
         if current is not None and current.state is JobState.SUSPENDED and current.id not in self._stops:
             if device_map:
@@ -95,6 +103,25 @@ class PreemptionMixin(EngineCore):
             if device_map:
                 log.info("job %d: %s", job.id, how)
         self.wake()
+
+    def _stay_checkpointed(self, job: Job, exc: MoveRefused) -> bool:
+        """The restore through a device map failed and nothing was restored: give the new GPUs back and wait, still
+        checkpointed, for the GPUs that hold the job's state. False when the job is going anyway
+        (cancelled meanwhile), so its checkpoint is forgotten as after any restore."""
+        current = self.jobs.get(job.id)
+        if current is None or current.state is not JobState.SUSPENDED or current.id in self._stops:
+            return False
+        own = self.checkpoints.stay(job.id)
+        why = (f"the restore onto other GPUs failed ({exc.message}); still checkpointed, it waits for "
+               "the GPUs that hold its state")
+        log.warning("job %d: %s", job.id, why)
+        # Still SUSPENDED throughout (no transition): only the GPUs it was given and the reason change.
+        current = self.jobs[current.id] = self.store.update(current, allocation=None, reason=why)
+        self.store.add_event(Event(at=self.clock(), kind="restore_move_failed", job_id=job.id, message=why))
+        self.scheduler.pin(current.id, own)
+        self.scheduler.submit(current)
+        self.wake()
+        return True
 
     def _gpu_index(self, uuid: str) -> int | None:
         return next((g.index for g in self.inventory.gpus if g.uuid == uuid), None)

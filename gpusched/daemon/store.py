@@ -97,7 +97,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
 """
 
-_UPDATABLE = frozenset({"started_at", "ended_at", "exit_code", "signal", "allocation", "pid"})
+_UPDATABLE = frozenset({"started_at", "ended_at", "exit_code", "signal", "allocation", "pid", "reason"})
 
 
 class StoreError(Exception):

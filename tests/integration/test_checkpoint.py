@@ -307,22 +307,32 @@ def test_without_moves_a_checkpointed_job_waits_for_its_own_gpu(daemon_factory: 
 
 
 @needs_root
-def test_a_moved_restore_that_fails_ends_the_job_as_any_failed_restore(daemon_factory: Any) -> None:
+def test_a_moved_restore_that_fails_waits_checkpointed_for_its_own_gpu(daemon_factory: Any) -> None:
     """The program refuses the map ("invalid argument", as NVIDIA/cuda-checkpoint#35 reports for a
-    move the driver would not do): the job ends FAILED with the reason and frees the GPU it was given."""
+    move the driver would not do) and leaves the process checkpointed: the job gives the GPU it was
+    given back, waits for its own, and is restored there without a map, no work redone."""
     daemon = daemon_factory(sim="H100-80GB:2", checkpoint_moves=True, scheduler=_PREEMPT_AT_ONCE)
     with daemon.client() as c:
-        trainer, pid, other_job, _interactive, _own, other = _two_gpus_one_taken_back(daemon, c)
+        trainer, pid, other_job, interactive, own, other = _two_gpus_one_taken_back(daemon, c)
         inject(os.path.join(daemon.state_dir, "sim-checkpoint"), pid, "restore", "CUDA_ERROR_INVALID_VALUE")
         c.call(CancelRequest(job_ids=[other_job]), CancelResult)
-        wait_until(lambda: state_of(c, trainer) is JobState.FAILED, timeout=30, what="trainer failed")
-        job = c.call(ShowRequest(job_id=trainer), ShowResult).job
-        assert "restore from checkpoint failed" in job.reason and "invalid argument" in job.reason, job.reason
-        assert not [e for e in _events(daemon.state_dir, trainer) if e.kind == "restored"]
-        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), what="its process gone")
+        wait_until(lambda: [e for e in _events(daemon.state_dir, trainer) if e.kind == "restore_move_failed"],
+                   timeout=30, what="the refused move recorded")
+        waiting = c.call(ShowRequest(job_id=trainer), ShowResult).job
+        assert waiting.state is JobState.SUSPENDED and waiting.allocation is None, waiting
+        assert "invalid argument" in waiting.reason and "waits for the GPUs that hold its state" in waiting.reason
         later = _submit(20012, daemon.socket, ["true"])
         wait_until(lambda: state_of(c, later) is JobState.COMPLETED, timeout=30, what="the GPU it was given reused")
         assert c.call(ShowRequest(job_id=later), ShowResult).job.allocation.uuids == [other]  # type: ignore[union-attr]
+        assert state_of(c, trainer) is JobState.SUSPENDED
+        c.call(CancelRequest(job_ids=[interactive]), CancelResult)
+        wait_until(lambda: state_of(c, trainer) is JobState.RUNNING, timeout=30, what="trainer restored at home")
+        after = c.call(ShowRequest(job_id=trainer), ShowResult).job
+        assert after.pid == pid and after.allocation is not None and after.allocation.uuids == [own]
+        assert "on the devices that held its state" in after.reason, after.reason
+        _counts_on_without_redoing(c, trainer)
+        c.call(CancelRequest(job_ids=[trainer]), CancelResult)
+        wait_until(lambda: state_of(c, trainer) is JobState.CANCELLED, what="trainer cancelled")
 
 
 @needs_root
