@@ -258,7 +258,7 @@ class Event(_Frozen):
 
     at: float
     # xid_app_error | gpu_fault | gpu_lost | drain | resume | mig_create | mig_destroy | mig_mode | checkpoint |
-    # checkpoint_failed | restored
+    # checkpoint_failed | restored | restore_move_failed
     kind: str
     message: str
     gpu: int | None = None
