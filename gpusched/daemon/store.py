@@ -363,6 +363,32 @@ class Store(StoreReader):
                     self._db.execute("ROLLBACK")
                 raise
 
+    @contextmanager
+    def batch_or_nothing(self) -> Iterator[None]:
+        """Many changes, one COMMIT, and no savepoint per change (two statements fewer each: a fifth
+        of a submit's SQL): an exception out of the block rolls every change back and is re-raised.
+        Group commit tries this first and falls back to `batch()` when one of its writes fails."""
+        assert not self._batching, "an all-or-nothing batch cannot join another batch"
+        self._db.execute("BEGIN IMMEDIATE")
+        self._batching = True
+        self._savepoints += 1  # the whole transaction is every change's savepoint
+        try:
+            yield
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        else:
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        finally:
+            self._batching = False
+            self._savepoints -= 1
+
     # ---- jobs ------------------------------------------------------------------------------------
 
     def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted",
