@@ -260,9 +260,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             for dep in job.spec.after:
                 if self._dependency_status(dep) is False:
                     final = self._final_states.get(dep.job_id, "unknown")
-                    self._set(job, JobState.FAILED,
-                              f"dependency can never be met: job {dep.job_id} ended {final}, needed COMPLETED",
-                              ended_at=self.clock())
+                    self._set(job, JobState.FAILED, f"dependency can never be met: {self._dependency_name(dep)} "
+                              f"ended {final}, needed COMPLETED", ended_at=self.clock())
                     break
 
     async def _pass(self) -> None:

@@ -464,7 +464,8 @@ class Store(StoreReader):
                        batch: int = 500) -> list[int]:
         """Delete up to `batch` finished jobs (with their transitions and events) that ended before
         `ended_before` or are beyond the newest `keep` finished ones; never those in `protect` (the
-        targets of pending `--after` dependencies). Returns the ids deleted; call again until empty.
+        targets of pending `--after` dependencies), nor the tasks of an array in `protect`. Returns
+        the ids deleted; call again until empty.
         Small batches keep each write transaction short, so the loop's own commits never wait long."""
         terminal = [s.value for s in TERMINAL_STATES]
         marks = ", ".join("?" for _ in terminal)
@@ -472,9 +473,12 @@ class Store(StoreReader):
         cutoff = self._db.execute(f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY id DESC LIMIT 1 OFFSET ?",
                                   (*terminal, keep)).fetchone() if keep >= 0 else None
         newest_doomed = cutoff[0] if cutoff is not None else 0  # this id and older are beyond `keep`
+        # A protected array id protects its tasks (`--after ARRAY` reads how they ended): left out in SQL,
+        # so that 10,000 of them cannot fill every batch and stop the pruning of everything else.
         candidates = self._db.execute(
-            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) ORDER BY id LIMIT ?",
-            (*terminal, ended_before, newest_doomed, batch + len(protected)),
+            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) AND (array_id IS NULL OR "
+            "array_id NOT IN (SELECT value FROM json_each(?))) ORDER BY id LIMIT ?",
+            (*terminal, ended_before, newest_doomed, json.dumps(sorted(protected)), batch + len(protected)),
         ).fetchall()
         ids = [r[0] for r in candidates if r[0] not in protected][:batch]
         if not ids:
