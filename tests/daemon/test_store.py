@@ -6,7 +6,8 @@ import sqlite3
 from pathlib import Path
 
 from gpusched.arrayspec import parse_array_spec
-from gpusched.daemon.store import SCHEMA_VERSION, Store, StoreReader
+from gpusched.daemon.schema import SCHEMA_VERSION
+from gpusched.daemon.store import Store, StoreReader
 from gpusched.model import JobSpec, JobState, WholeRequest
 
 _SCHEMA_1 = """
@@ -106,4 +107,20 @@ def test_an_array_is_one_row_plus_its_tasks_sharing_one_spec(tmp_path: Path) -> 
     assert store.arrays([array_id]) and store.submit_key(1, "k2") == array_id
     assert store.prune_finished(ended_before=10.0, keep=0) == [3]
     assert not store.arrays([array_id]) and store.submit_key(1, "k2") is None
+    store.close()
+
+
+def test_a_protected_array_keeps_its_tasks_and_others_are_still_pruned(tmp_path: Path) -> None:
+    """`--after ARRAY` reads how its tasks ended: protecting the array's id protects them, however many."""
+    store = Store(str(tmp_path / "gpusched.db"))
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("/bin/sweep"), now=1.0,
+                                         array=parse_array_spec("1-5"))
+    plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=2.0)
+    for job in [*tasks, plain]:
+        store.transition(job, JobState.CANCELLED, now=3.0, reason="cancelled", ended_at=3.0)
+    # A batch of 2 with 5 protected tasks ahead of the plain job: the tasks must not take the batch.
+    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == [plain.id]
+    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == []
+    assert store.array_counts([array_id]) == {array_id: {"CANCELLED": 5}}
+    assert sorted(store.prune_finished(ended_before=10.0, keep=0, batch=10)) == [t.id for t in tasks]
     store.close()
