@@ -17,7 +17,6 @@ from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, out
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
-    WAITING_STATES,
     Job,
     JobState,
 )
@@ -50,10 +49,13 @@ class RecoveryMixin(EngineCore):
             if job.state in ACTIVE_STATES:
                 self._active.add(job.id)
                 self.arrays.mark_active(job)
-            elif job.state in WAITING_STATES:
-                self._count_waiting(job, 1)
-                if job.state is JobState.HELD and job.spec.after:
-                    self._held_with_deps.add(job.id)
+            elif job.state is JobState.HELD and job.spec.after:
+                self._held_with_deps.add(job.id)
+        # The per-user limit counts (what _count_waiting keeps up to date from here on), summed by SQLite:
+        # measuring 100k specs was a tenth of a restart.
+        for uid, (count, size) in self.store.waiting_totals().items():
+            self._waiting_by_uid[uid] = count
+            self._waiting_bytes_by_uid[uid] = size
 
     async def _recover(self) -> None:
         """Explicit restart rules (daemon/recovery.py) for every unfinished job; none can stop the start."""

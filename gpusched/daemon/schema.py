@@ -6,11 +6,15 @@ the database looks like and brings an older one up to date, once, when the daemo
 
 from __future__ import annotations
 
+import math
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from gpusched.model import JobSpec, describe_request, display_name
+from gpusched.model import JobSpec, describe_request, display_name, spec_bytes
 
-SCHEMA_VERSION = 3  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys
+SCHEMA_VERSION = 4  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
+# 4: jobs.spec_bytes, so a restart sums the per-user byte limits in SQL instead of measuring 100k specs
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -32,7 +36,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     display TEXT,
     request TEXT,
     array_id INTEGER,
-    array_task INTEGER
+    array_task INTEGER,
+    spec_bytes INTEGER  -- what it counts against max_pending_bytes_per_user (a task: its share of the array's)
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 -- One row per job array; its tasks are rows of `jobs` (array_id, array_task) whose own spec is ''
@@ -89,24 +94,48 @@ def create_or_upgrade(db: sqlite3.Connection) -> None:
     refused a newer database already).
 
     Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
-    Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA."""
+    Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA.
+    Schema 3 -> 4: jobs.spec_bytes, measured once from each job's spec (a task's from its array's)."""
     db.executescript(SCHEMA)
     columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
     for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
-                         ("array_task", "INTEGER")):
+                         ("array_task", "INTEGER"), ("spec_bytes", "INTEGER")):
         if column not in columns:
             db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
     db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) WHERE array_id IS NOT NULL")
     while rows := db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall():
-        db.execute("BEGIN IMMEDIATE")  # 500 rows per transaction: a big upgrade is not one huge one
-        try:
+        with _transaction(db):  # 500 rows per transaction: a big upgrade is not one huge one
             for job_id, text in rows:
                 spec = JobSpec.model_validate_json(text)
                 db.execute("UPDATE jobs SET display = ?, request = ? WHERE id = ?",
                            (display_name(spec), describe_request(spec.request), job_id))
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+    while rows := db.execute("SELECT id, spec FROM jobs WHERE spec_bytes IS NULL AND array_id IS NULL "
+                             "LIMIT 500").fetchall():
+        with _transaction(db):
+            db.executemany("UPDATE jobs SET spec_bytes = ? WHERE id = ?",
+                           [(spec_bytes(JobSpec.model_validate_json(text)), job_id) for job_id, text in rows])
+    arrays = db.execute("SELECT id, spec, task_count FROM arrays WHERE id IN "
+                        "(SELECT DISTINCT array_id FROM jobs WHERE spec_bytes IS NULL AND array_id IS NOT NULL)")
+    for array_id, text, count in arrays.fetchall():
+        with _transaction(db):
+            db.execute("UPDATE jobs SET spec_bytes = ? WHERE array_id = ? AND spec_bytes IS NULL",
+                       (task_bytes(JobSpec.model_validate_json(text), count), array_id))
     db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value = ?",
                (str(SCHEMA_VERSION), str(SCHEMA_VERSION)))
+
+
+def task_bytes(spec: JobSpec, count: int) -> int:
+    """What one of an array's `count` tasks counts against max_pending_bytes_per_user: its share of the
+    one spec they all use (the engine's Arrays.held_bytes is the same figure)."""
+    return math.ceil(spec_bytes(spec) / count)
+
+
+@contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")

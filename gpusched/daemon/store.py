@@ -160,10 +160,10 @@ class Store(StoreReader):
         stored = spec.model_dump_json()
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason,
-                 display_name(spec), describe_request(spec.request)),
+                 display_name(spec), describe_request(spec.request), self.compactor.spec_bytes(spec)),
             )
             job_id = cur.lastrowid
             assert job_id is not None

@@ -92,6 +92,13 @@ class StoreReader(ArrayReads):
         """
         return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,), with_spec))
 
+    def waiting_totals(self) -> dict[int, tuple[int, int]]:
+        """uid -> (PENDING and HELD jobs, their spec_bytes): a restart's per-user limit counts, summed
+        by SQLite instead of measuring every queued spec in Python."""
+        rows = self._db.execute("SELECT uid, COUNT(*), TOTAL(spec_bytes) FROM jobs WHERE state IN (?, ?) GROUP BY uid",
+                                (JobState.PENDING.value, JobState.HELD.value))
+        return {uid: (count, int(size)) for uid, count, size in rows}
+
     def owner(self, job_id: int) -> tuple[int, str, JobState] | None:
         """(uid, user, state) of a job, without reading its spec: enough to refuse or skip it cheaply."""
         row = self._db.execute("SELECT uid, user, state FROM jobs WHERE id = ?", (job_id,)).fetchone()

@@ -8,7 +8,7 @@ from pathlib import Path
 from gpusched.arrayspec import parse_array_spec
 from gpusched.daemon.schema import SCHEMA_VERSION
 from gpusched.daemon.store import Store, StoreReader
-from gpusched.model import JobSpec, JobState, WholeRequest
+from gpusched.model import JobSpec, JobState, WholeRequest, spec_bytes
 
 _SCHEMA_1 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -74,7 +74,7 @@ def test_a_schema_2_database_gets_arrays_and_keeps_its_jobs(tmp_path: Path) -> N
     db.commit()
     db.close()
     store = Store(str(path))
-    assert store.get_meta("schema_version") == "3"
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION)
     [old] = store.jobs_in([JobState.PENDING])
     assert (old.id, old.array_id, old.array_task) == (1, None, None)
     array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("sweep"), now=2.0,
@@ -123,4 +123,23 @@ def test_a_protected_array_keeps_its_tasks_and_others_are_still_pruned(tmp_path:
     assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == []
     assert store.array_counts([array_id]) == {array_id: {"CANCELLED": 5}}
     assert sorted(store.prune_finished(ended_before=10.0, keep=0, batch=10)) == [t.id for t in tasks]
+    store.close()
+
+
+def test_a_schema_3_database_gets_each_jobs_spec_bytes(tmp_path: Path) -> None:
+    path = str(tmp_path / "gpusched.db")
+    store = Store(path)
+    plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=1.0)
+    sweep = _spec("/bin/a-much-longer-program-name-for-the-sweep")
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=sweep, now=2.0, array=parse_array_spec("1-3"))
+    store._db.execute("ALTER TABLE jobs DROP COLUMN spec_bytes")  # as schema 3 wrote it
+    store.set_meta("schema_version", "3")
+    store.close()
+    store = Store(path)
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION)
+    stored = dict(store._db.execute("SELECT id, spec_bytes FROM jobs").fetchall())
+    share = -(-spec_bytes(sweep) // 3)
+    assert stored == {plain.id: spec_bytes(_spec("/bin/one")), **{t.id: share for t in tasks}}
+    assert store.waiting_totals() == {1: (4, spec_bytes(_spec("/bin/one")) + 3 * share)}
+    assert array_id in store.arrays([array_id])
     store.close()
