@@ -158,12 +158,16 @@ class Store(StoreReader):
         """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
         history = _first_history(now, reason, hold)
         stored = spec.model_dump_json()
+        compact = self.compactor
+        # Measured on the shared form the job will hold: the compactor's size table keeps what it
+        # measures alive, and must not keep the request's own copy of every spec.
+        shared = compact.spec(spec, stored)
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason,
-                 display_name(spec), describe_request(spec.request), self.compactor.spec_bytes(spec)),
+                 display_name(spec), describe_request(spec.request), compact.spec_bytes(shared)),
             )
             job_id = cur.lastrowid
             assert job_id is not None
@@ -172,9 +176,8 @@ class Store(StoreReader):
                            (job_id, seq, t.state.value, t.at, t.reason))
             if request_id is not None:
                 db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
-        compact = self.compactor
         return compact.job(
-            id=job_id, uid=uid, gid=gid, user=user, spec=compact.spec(spec, stored), state=history[-1].state,
+            id=job_id, uid=uid, gid=gid, user=user, spec=shared, state=history[-1].state,
             submitted_at=now, reason=history[-1].reason, history=history,
         )
 
