@@ -1,6 +1,7 @@
-"""Jobs the daemon did not start in this run, and jobs that must be stopped: the restart rules
-(daemon/recovery.py) applied to every unfinished job, adopted jobs polled, exits recorded, time
-limits, GPU-memory limits in timeslice mode, and jobs continued by someone else's SIGCONT."""
+"""Jobs the daemon did not start in this run, and jobs that must be stopped: the unfinished jobs
+loaded at start, the restart rules (daemon/recovery.py) applied to each of them, adopted jobs
+polled, exits recorded, time limits, GPU-memory limits in timeslice mode, and jobs continued by
+someone else's SIGCONT."""
 
 from __future__ import annotations
 
