@@ -141,6 +141,8 @@ class LogsRequest(_Req):
 class WaitRequest(_Req):
     op: Literal["wait"] = "wait"
     job_id: JobId
+    task: TaskIndex | None = Field(default=None, exclude_if=_unset,
+                                   description="task index: job_id names the array (`wait 123_7`)")
     timeout_s: float = Field(default=30.0, ge=0.0, le=300.0)
 
 
@@ -148,26 +150,30 @@ class SuspendRequest(_Req):
     """SIGSTOP the whole job; it keeps its devices and GPU memory."""
 
     op: Literal["suspend"] = "suspend"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
+                                 description="jobs; an array's id names every unfinished task of the array")
 
 
 class ResumeRequest(_Req):
     """SIGCONT a suspended job."""
 
     op: Literal["resume"] = "resume"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
+                                 description="jobs; an array's id names every unfinished task of the array")
 
 
 class HoldRequest(_Req):
     """Keep pending jobs from starting until released."""
 
     op: Literal["hold"] = "hold"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
+                                 description="jobs; an array's id names every unfinished task of the array")
 
 
 class ReleaseRequest(_Req):
     op: Literal["release"] = "release"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000)
+    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
+                                 description="jobs; an array's id names every unfinished task of the array")
 
 
 class GpuDrainRequest(_Req):
@@ -382,6 +388,9 @@ class JobsChanged(_Res):
 
     changed: list[int]
     unchanged: dict[int, str] = Field(default_factory=dict, description="job id -> why it was not changed")
+    arrays: list[int] = Field(default_factory=list, exclude_if=_unset,
+                              description="arrays named by id: their tasks that changed are in `changed`; those "
+                              "in another state are left as they are, unlisted")
 
 
 class LogsResult(_Res):

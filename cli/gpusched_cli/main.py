@@ -46,6 +46,7 @@ COMMANDS: dict[str, str] = {
     "queue": "jobs:queue",
     "show": "jobs:show",
     "logs": "jobs:logs",
+    "wait": "jobs:wait",
     "cancel": "jobs:cancel",
     "suspend": "jobs:suspend",
     "resume": "jobs:resume",

@@ -116,8 +116,10 @@ def logs(job_id: int, offset: int, wait_s: float, task: int | None = None) -> Me
     return message | {"offset": offset, "max_bytes": LOGS_MAX_BYTES, "wait_s": float(wait_s)}
 
 
-def wait(job_id: int, timeout_s: float) -> Message:
-    return {"op": "wait", "job_id": job_id, "timeout_s": float(timeout_s)}
+def wait(job_id: int, timeout_s: float, task: int | None = None) -> Message:
+    """`task`: job_id names an array and this is the index of one of its tasks (`wait 123_7`)."""
+    return {"op": "wait", "job_id": job_id} | ({"task": task} if task is not None else {}) | {
+        "timeout_s": float(timeout_s)}
 
 
 def gpu_drain(device: str, reason: str) -> Message:

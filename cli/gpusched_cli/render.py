@@ -369,7 +369,8 @@ def changed_text(done: str, result: JobsChanged | JSON) -> str:
     changed = shown["changed"]
     # JSON object keys are strings: order them as the job ids they are.
     unchanged = sorted(shown.get("unchanged", {}).items(), key=lambda item: int(item[0]))
-    lines = []
+    lines = [f"Array {a}: its tasks that could be are {done.lower()}, the others are left as they are"
+             for a in shown.get("arrays", [])]
     if changed:
         lines.append(f"{done} job" + ("s " if len(changed) > 1 else " ") + ids_text(changed))
     lines += [f"Job {job_id} unchanged: {why}" for job_id, why in unchanged]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from gpusched.arrayspec import parse_array_spec
-from gpusched.model import Job, spec_bytes
+from gpusched.daemon.schema import task_bytes
+from gpusched.model import Job
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class Arrays:
         info = ArrayInfo(id=array_id, text=spec.text, count=len(tasks), first=tasks[0], last=tasks[-1],
                          step=gaps.pop() if len(gaps) == 1 else (1 if len(tasks) == 1 else None),
                          max_running=spec.max_running,
-                         bytes_per_task=math.ceil(spec_bytes(example.spec) / len(tasks)), live=live)
+                         bytes_per_task=task_bytes(example.spec, len(tasks)), live=live)
         self.by_id[array_id] = info
         return info
 

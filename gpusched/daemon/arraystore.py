@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpusched.arrayspec import ArraySpec
+from gpusched.daemon.schema import task_bytes
 from gpusched.model import (
     TERMINAL_STATES,
     Job,
@@ -114,10 +115,11 @@ def insert_array(db: sqlite3.Connection, *, uid: int, gid: int, user: str, spec:
     db.execute("INSERT INTO arrays (id, uid, user, spec, tasks, task_count, max_running, submitted_at)"
                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                (array_id, uid, user, spec.model_dump_json(), array.text, array.count, array.max_running, now))
+    size = task_bytes(spec, array.count)
     db.executemany(
         "INSERT INTO jobs (id, uid, gid, user, spec, state, submitted_at, reason, display, request, array_id,"
-        " array_task) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?)",
-        [(job_id, uid, gid, user, state.value, now, reason, display, request, array_id, task)
+        " array_task, spec_bytes) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(job_id, uid, gid, user, state.value, now, reason, display, request, array_id, task, size)
          for job_id, task in zip(ids, array.tasks, strict=True)])
     db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
                    [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids for seq, t in enumerate(history)])

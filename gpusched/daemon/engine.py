@@ -37,6 +37,7 @@ from gpusched.daemon.engine_preempt import PreemptionMixin
 from gpusched.daemon.engine_recovery import RecoveryMixin, _load_ids, _load_stops
 from gpusched.daemon.engine_requests import RequestsMixin
 from gpusched.daemon.executor import Executor
+from gpusched.daemon.gcpause import gc_paused
 from gpusched.daemon.groupcommit import GroupCommit
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env
 from gpusched.daemon.recovery import StopRequest
@@ -44,8 +45,6 @@ from gpusched.daemon.store import Store
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 from gpusched.model import (
     ACTIVE_STATES,
-    TERMINAL_STATES,
-    WAITING_STATES,
     Allocation,
     Event,
     Job,
@@ -130,27 +129,14 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                 load_history(json.loads(history))
             except (ValueError, TypeError, AttributeError) as exc:  # a damaged record costs estimates, not service
                 log.warning("ignoring saved run-time history: %s", exc)
-        unfinished = self.store.jobs_in(set(JobState) - TERMINAL_STATES)
-        live: dict[int, list[Job]] = {}
-        for job in unfinished:
-            if job.array_id is not None:
-                live.setdefault(job.array_id, []).append(job)
-        for array_id, row in self.store.arrays(live).items():
-            self.arrays.add(array_id, row.tasks, live[array_id][0], live=len(live[array_id]))
-        for job in unfinished:
-            self.jobs[job.id] = job
-            if job.state in ACTIVE_STATES:
-                self._active.add(job.id)
-                self.arrays.mark_active(job)
-            elif job.state in WAITING_STATES:
-                self._count_waiting(job, 1)
-                if job.state is JobState.HELD and job.spec.after:
-                    self._held_with_deps.add(job.id)
-        self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
-        self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
-                         if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
-        await self._recover()
-        self.requeue_all()
+        # A load allocates millions of objects and frees none: no cyclic collections meanwhile (gcpause.py).
+        with gc_paused():
+            self._load_unfinished()
+            self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
+            self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
+                             if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
+            await self._recover()
+            self.requeue_all()
         self._write_job_mapping()
         self.devices.start_watching(self._on_gpu_event)
         self._loop_task = asyncio.create_task(self._run(), name="gpusched-engine")
@@ -275,9 +261,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             for dep in job.spec.after:
                 if self._dependency_status(dep) is False:
                     final = self._final_states.get(dep.job_id, "unknown")
-                    self._set(job, JobState.FAILED,
-                              f"dependency can never be met: job {dep.job_id} ended {final}, needed COMPLETED",
-                              ended_at=self.clock())
+                    self._set(job, JobState.FAILED, f"dependency can never be met: {self._dependency_name(dep)} "
+                              f"ended {final}, needed COMPLETED", ended_at=self.clock())
                     break
 
     async def _pass(self) -> None:

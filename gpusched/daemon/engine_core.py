@@ -38,6 +38,8 @@ from gpusched.model import (
 )
 
 log = logging.getLogger("gpusched.engine")
+# How an array whose tasks have all ended counts for --after: its first state in this order among its tasks'.
+_ARRAY_OUTCOME_ORDER = (JobState.FAILED, JobState.TIMEOUT, JobState.LOST, JobState.CANCELLED, JobState.COMPLETED)
 
 
 class EngineCore:
@@ -109,17 +111,36 @@ class EngineCore:
         return frozenset(int(k) for k, g in self.config.gpus.items() if g.mig == "dynamic")
 
     def _dependency_status(self, dep: Dependency) -> bool | None:
-        """True when met, False when it can never be met, None while the other job has not ended."""
+        """True when met, False when it can never be met, None while the other job has not ended.
+
+        `--after ARRAY_ID` waits for every task of the array: met with `any` once all have ended,
+        with `ok` once all have COMPLETED; an array is ended when none of its tasks is left unfinished."""
         other = self.jobs.get(dep.job_id)
-        if other is not None:
-            return None  # unfinished jobs live in self.jobs
+        if other is not None or dep.job_id in self.arrays.by_id:
+            return None  # unfinished jobs live in self.jobs, arrays with unfinished tasks in self.arrays
         final = self._final_states.get(dep.job_id)
         if final is None:
-            ended = self.store.get(dep.job_id)
-            if ended is None:
-                return False
-            final = self._final_states[dep.job_id] = ended.state
+            ended = self.store.owner(dep.job_id)
+            if ended is not None:
+                final = ended[2]
+            else:
+                counts = self.store.array_counts([dep.job_id]).get(dep.job_id)
+                if not counts:
+                    return False  # no such job or array (any more)
+                states = {JobState(s) for s in counts}
+                if not states <= TERMINAL_STATES:
+                    return None
+                # The array's outcome: COMPLETED only if every task completed, else its worst task's end.
+                final = min(states, key=_ARRAY_OUTCOME_ORDER.index)
+            self._final_states[dep.job_id] = final
         return dep.condition == "any" or final is JobState.COMPLETED
+
+    def _dependency_name(self, dep: Dependency) -> str:
+        """`job 12`, or `array 120` for an --after on a job array (its tasks are jobs of their own)."""
+        is_array = dep.job_id in self.arrays.by_id or (
+            dep.job_id not in self.jobs and self.store.owner(dep.job_id) is None
+            and dep.job_id in self.store.arrays([dep.job_id]))
+        return f"array {dep.job_id}" if is_array else f"job {dep.job_id}"
 
     def _enqueue(self, job: Job) -> None:
         """A job became PENDING: the scheduler gets it once its dependencies are met (and, for a task of

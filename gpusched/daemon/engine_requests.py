@@ -54,8 +54,8 @@ class RequestsMixin(EngineCore):
         count = 1 if tasks is None else tasks.count
         size = spec_bytes(spec) if tasks is None else -(-spec_bytes(spec) // count) * count  # tasks share one spec
         self._check_user_limits(uid, user, size, count)
-        for dep in spec.after:
-            if self.get(dep.job_id) is None:
+        for dep in spec.after:  # a job, or an array (its id waits for all its tasks)
+            if self.get(dep.job_id) is None and dep.job_id not in self.store.arrays([dep.job_id]):
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"after: no job {dep.job_id} to depend on")
         # Counted now, not at the commit: submits waiting for the same COMMIT must not pass the limits together.
         self._reserve(uid, count, size)
@@ -238,7 +238,7 @@ class RequestsMixin(EngineCore):
         unmet = [d for d in job.spec.after if self._dependency_status(d) is None]
         if unmet:
             return "waiting for " + ", ".join(
-                f"job {d.job_id} to {'complete' if d.condition == 'ok' else 'end'}" for d in unmet)
+                f"{self._dependency_name(d)} to {'complete' if d.condition == 'ok' else 'end'}" for d in unmet)
         explain = getattr(self.scheduler, "explain", None)
         if callable(explain):
             return str(explain(job.id))

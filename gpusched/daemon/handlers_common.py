@@ -116,7 +116,8 @@ def _no_job(ctx: Context, job_id: int) -> ProtocolError:
     if array is not None:
         return ProtocolError(ErrorCode.NOT_FOUND, f"{job_id} is a job array ({array.task_count} tasks), not a job",
                              f"name one task as {job_id}_TASK (e.g. {job_id}_{array.tasks.split(',')[0].split('-')[0]}"
-                             f"); `show {job_id}` and `cancel {job_id}` take the whole array")
+                             f"); `show`, `cancel`, `hold`, `release`, `suspend`, `resume` and `submit --after` "
+                             f"take {job_id} for the whole array")
     return ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
 
 

@@ -223,49 +223,86 @@ async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
 
 
 async def wait(ctx: Context, req: WaitRequest) -> WaitResult:
-    _find(ctx, req.job_id)
+    job_id = req.job_id if req.task is None else _task_job(ctx, req.job_id, req.task)
+    _find(ctx, job_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + req.timeout_s
     while True:
-        job = _current(ctx, req.job_id)
+        job = _current(ctx, job_id)
         remaining = deadline - loop.time()
         if job.state in TERMINAL_STATES or remaining <= 0 or ctx.engine.shutting_down:
             return WaitResult(job=_redact(ctx, job), finished=job.state in TERMINAL_STATES)
         await ctx.engine.wait_for_change(remaining)
 
 
-def suspend(ctx: Context, req: SuspendRequest) -> JobsChanged:
-    return _each(ctx, req.job_ids, "suspend", lambda job, why: ctx.engine.suspend(job, why), "suspended")
+async def suspend(ctx: Context, req: SuspendRequest) -> JobsChanged:
+    return await _each(ctx, req.job_ids, "suspend", lambda job, why: ctx.engine.suspend(job, why), "suspended")
 
 
-def resume(ctx: Context, req: ResumeRequest) -> JobsChanged:
-    return _each(ctx, req.job_ids, "resume", lambda job, why: ctx.engine.resume(job, why), "resumed")
+async def resume(ctx: Context, req: ResumeRequest) -> JobsChanged:
+    return await _each(ctx, req.job_ids, "resume", lambda job, why: ctx.engine.resume(job, why), "resumed")
 
 
-def hold(ctx: Context, req: HoldRequest) -> JobsChanged:
-    return _each(ctx, req.job_ids, "hold", lambda job, why: ctx.engine.hold(job, why), "held")
+async def hold(ctx: Context, req: HoldRequest) -> JobsChanged:
+    return await _each(ctx, req.job_ids, "hold", lambda job, why: ctx.engine.hold(job, why), "held")
 
 
-def release(ctx: Context, req: ReleaseRequest) -> JobsChanged:
-    return _each(ctx, req.job_ids, "release", lambda job, why: ctx.engine.release(job, why), "released")
+async def release(ctx: Context, req: ReleaseRequest) -> JobsChanged:
+    return await _each(ctx, req.job_ids, "release", lambda job, why: ctx.engine.release(job, why), "released")
 
 
-def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str], str | None],
-          past: str) -> JobsChanged:
+async def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str], str | None],
+                past: str) -> JobsChanged:
     """Apply `act` to every job after checking all of them exist and are the caller's (all or nothing).
 
     Ids are deduplicated and checked by owner before anything is loaded: finished jobs are never
     loaded at all (nothing can change them), so a request's cost does not depend on others' specs.
+    An array's id stands for its unfinished tasks; those not in the state `act` needs are left
+    alone without a line each (an array has up to 10,000). As for `cancel`, one COMMIT per
+    CANCEL_CHUNK jobs, with the loop serving others in between.
     """
-    refs = [_ref(ctx, job_id) for job_id in _unique(job_ids)]
+    ids, arrays, tasks = _expand_arrays(ctx, job_ids, verb)
+    refs = [_ref(ctx, job_id) for job_id in _unique(ids)]
     for ref in refs:
         _require_owner(ctx, ref, verb)
     changed, unchanged = [], {}
-    for ref in refs:
-        by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
-        why_not = act(ref.job, f"{past}{by}") if ref.job is not None else f"job is {ref.state}, it has ended"
-        if why_not is None:
-            changed.append(ref.id)
-        else:
-            unchanged[ref.id] = why_not
-    return JobsChanged(changed=changed, unchanged=unchanged)
+    for start in range(0, len(refs), CANCEL_CHUNK):
+        if start:
+            await asyncio.sleep(0)
+        with ctx.engine.store.batch():
+            for ref in refs[start : start + CANCEL_CHUNK]:
+                by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
+                # Read again: a job may have moved on, or ended, while the loop served others.
+                job = ctx.engine.jobs.get(ref.id) if ref.job is not None else None
+                if job is not None:
+                    why_not = act(job, f"{past}{by}")
+                else:
+                    why_not = f"job is {ref.state}, it has ended" if ref.job is None else "job has ended"
+                if why_not is None:
+                    changed.append(ref.id)
+                elif ref.id not in tasks:
+                    unchanged[ref.id] = why_not
+    return JobsChanged(changed=sorted(changed), unchanged=unchanged, arrays=arrays)
+
+
+def _expand_arrays(ctx: Context, job_ids: list[int], verb: str) -> tuple[list[int], list[int], set[int]]:
+    """(job ids with each array id replaced by its unfinished tasks, the arrays named, those tasks).
+
+    `hold` takes an array's tasks highest first, as `cancel` does: holding a task frees its %MAX
+    place, which must not go to a task about to be held."""
+    ids: list[int] = []
+    arrays: list[int] = []
+    tasks: set[int] = set()
+    for job_id in _unique(job_ids):
+        if job_id in ctx.engine.jobs or ctx.engine.store.owner(job_id) is not None:
+            ids.append(job_id)
+            continue
+        row = ctx.engine.store.arrays([job_id]).get(job_id)
+        if row is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {job_id}", "`gpusched queue --all` lists known jobs")
+        _require_owner(ctx, _JobRef(row.id, row.uid, row.user, JobState.PENDING, None), verb)
+        arrays.append(row.id)
+        members = ctx.engine.store.task_ids(row.id, unfinished=True)
+        tasks.update(members)
+        ids += reversed(members) if verb == "hold" else members
+    return ids, arrays, tasks

@@ -29,7 +29,7 @@ def test_bench_api_quick() -> None:
     assert "gpusched submit, 16 concurrent clients" in out
     assert "submit -> RUNNING" in out
     assert "gpusched submit process p50" in out
-    assert "single-commit floor" in out and "x the floor" in out
+    assert "single-commit floor" in out and "x the floor" in out and "daemon CPU us each" in out
     assert "--array 1-1000 accepted in" in out
 
 

@@ -115,6 +115,7 @@ FRAMES: list[tuple[dict[str, Any], BaseModel]] = [
     (messages.logs(9, 4096, 10), LogsRequest(job_id=9, offset=4096, wait_s=10)),
     (messages.logs(120, 0, 10, task=0), LogsRequest(job_id=120, task=0, offset=0, wait_s=10)),
     (messages.wait(9, 30), WaitRequest(job_id=9, timeout_s=30)),
+    (messages.wait(120, 30, task=7), WaitRequest(job_id=120, task=7, timeout_s=30)),
     (messages.gpu_drain("0", "fan"), GpuDrainRequest(device="0", reason="fan")),
     (messages.gpu_resume("MIG-1234"), GpuResumeRequest(device="MIG-1234")),
     (messages.mig_apply(1, ["3g.40gb", "2g.20gb"], True), MigApplyRequest(gpu=1, layout=["3g.40gb", "2g.20gb"],
@@ -254,6 +255,12 @@ def test_a_bug_in_reading_a_valid_result_is_not_blamed_on_the_daemon() -> None:
     good = {"cancelled": [1], "already_finished": []}
     with pytest.raises(KeyError), results.reading("cancel", good):
         good["no such key"]
+
+
+def test_an_array_named_in_hold_gets_a_line_and_its_tasks_a_run() -> None:
+    text = render.changed_text("Held", {"changed": list(range(121, 221)), "unchanged": {}, "arrays": [120]})
+    assert text.splitlines() == ["Array 120: its tasks that could be are held, the others are left as they are",
+                                 "Held jobs 121-220"]
 
 
 def test_unchanged_jobs_are_listed_in_id_order_from_json_keys() -> None:

@@ -63,6 +63,30 @@ def test_a_failing_write_fails_alone(tmp_path: Path) -> None:
     results = asyncio.run(main())
     assert isinstance(results[1], ValueError) and failed == ["boom"]
     assert sorted(r.display for r in store.summaries(limit=10)) == ["ok0", "ok1", "ok2"]  # no "half-written"
+    # The batch was written twice (all at once, then write by write): what each caller heard is what is stored.
+    for result in (results[0], *results[2:]):
+        assert isinstance(result, Job)
+        stored = store.get(result.id)
+        assert stored is not None and stored.spec.name == result.spec.name
+
+
+def test_a_batch_whose_writes_all_succeed_takes_no_savepoints(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "db.sqlite"))
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+
+    async def main() -> None:
+        group = GroupCommit(store)
+        await asyncio.gather(*(group.write(Write(apply=lambda i=i: _submit(store, f"j{i}"), committed=lambda job: None,
+                                                 failed=lambda exc: None)) for i in range(8)))
+        assert (group.commits, group.writes) == (1, 8)
+
+    asyncio.run(main())
+    store._db.set_trace_callback(None)
+    assert not [s for s in statements if "SAVEPOINT" in s.upper()]
+    assert [s for s in statements if s.split()[0].upper() in ("BEGIN", "COMMIT", "ROLLBACK")] == [
+        "BEGIN IMMEDIATE", "COMMIT"]
+    assert len(store.summaries(limit=10)) == 8
 
 
 def test_a_batch_that_cannot_commit_acknowledges_nothing(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ import sqlite3
 from pathlib import Path
 
 from gpusched.arrayspec import parse_array_spec
-from gpusched.daemon.store import SCHEMA_VERSION, Store, StoreReader
-from gpusched.model import JobSpec, JobState, WholeRequest
+from gpusched.daemon.schema import SCHEMA_VERSION
+from gpusched.daemon.store import Store, StoreReader
+from gpusched.model import JobSpec, JobState, WholeRequest, spec_bytes
 
 _SCHEMA_1 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -73,7 +74,7 @@ def test_a_schema_2_database_gets_arrays_and_keeps_its_jobs(tmp_path: Path) -> N
     db.commit()
     db.close()
     store = Store(str(path))
-    assert store.get_meta("schema_version") == "3"
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION)
     [old] = store.jobs_in([JobState.PENDING])
     assert (old.id, old.array_id, old.array_task) == (1, None, None)
     array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("sweep"), now=2.0,
@@ -106,4 +107,39 @@ def test_an_array_is_one_row_plus_its_tasks_sharing_one_spec(tmp_path: Path) -> 
     assert store.arrays([array_id]) and store.submit_key(1, "k2") == array_id
     assert store.prune_finished(ended_before=10.0, keep=0) == [3]
     assert not store.arrays([array_id]) and store.submit_key(1, "k2") is None
+    store.close()
+
+
+def test_a_protected_array_keeps_its_tasks_and_others_are_still_pruned(tmp_path: Path) -> None:
+    """`--after ARRAY` reads how its tasks ended: protecting the array's id protects them, however many."""
+    store = Store(str(tmp_path / "gpusched.db"))
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("/bin/sweep"), now=1.0,
+                                         array=parse_array_spec("1-5"))
+    plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=2.0)
+    for job in [*tasks, plain]:
+        store.transition(job, JobState.CANCELLED, now=3.0, reason="cancelled", ended_at=3.0)
+    # A batch of 2 with 5 protected tasks ahead of the plain job: the tasks must not take the batch.
+    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == [plain.id]
+    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == []
+    assert store.array_counts([array_id]) == {array_id: {"CANCELLED": 5}}
+    assert sorted(store.prune_finished(ended_before=10.0, keep=0, batch=10)) == [t.id for t in tasks]
+    store.close()
+
+
+def test_a_schema_3_database_gets_each_jobs_spec_bytes(tmp_path: Path) -> None:
+    path = str(tmp_path / "gpusched.db")
+    store = Store(path)
+    plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=1.0)
+    sweep = _spec("/bin/a-much-longer-program-name-for-the-sweep")
+    array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=sweep, now=2.0, array=parse_array_spec("1-3"))
+    store._db.execute("ALTER TABLE jobs DROP COLUMN spec_bytes")  # as schema 3 wrote it
+    store.set_meta("schema_version", "3")
+    store.close()
+    store = Store(path)
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION)
+    stored = dict(store._db.execute("SELECT id, spec_bytes FROM jobs").fetchall())
+    share = -(-spec_bytes(sweep) // 3)
+    assert stored == {plain.id: spec_bytes(_spec("/bin/one")), **{t.id: share for t in tasks}}
+    assert store.waiting_totals() == {1: (4, spec_bytes(_spec("/bin/one")) + 3 * share)}
+    assert array_id in store.arrays([array_id])
     store.close()

@@ -24,6 +24,8 @@ from gpusched.protocol import (
     ShowResult,
     SubmitRequest,
     SubmitResult,
+    WaitRequest,
+    WaitResult,
 )
 from gpusched_cli.main import cli
 from tests.conftest import DaemonHandle, wait_until
@@ -238,3 +240,121 @@ def test_tasks_changed_before_the_hand_over_reach_the_scheduler_once_and_as_they
     ids, queued, pending_handover = asyncio.run_coroutine_threadsafe(scenario(), daemon.loop).result(30)
     assert pending_handover == 1200  # the answer came before any task reached the scheduler
     assert queued == set(ids) - {ids[0], ids[1100]}
+
+
+# ---- hold, release, suspend, resume, --after and wait on an array ---------------------------------
+
+
+def test_hold_and_release_an_array_act_on_its_tasks_in_the_right_state(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-6", "sleep", "60")  # 4 GPUs: tasks 1-4 run, 5-6 wait
+    wait_until(lambda: [i for i, s in states(node).items() if s is JobState.RUNNING] == [1, 2, 3, 4],
+               what="tasks 1-4 running")
+    ids = {i: r.id for i, r in tasks(node).items()}
+    held = gs(node, "hold", str(array_id))
+    assert held.exit_code == 0, held.output
+    assert f"Array {array_id}:" in held.stdout and f"Held jobs {ids[5]}, {ids[6]}" in held.stdout
+    assert "unchanged" not in held.stdout  # the running tasks are not a line each
+    assert states(node) == {**dict.fromkeys(range(1, 5), JobState.RUNNING), 5: JobState.HELD, 6: JobState.HELD}
+    [reply] = as_user(OTHER_UID, node.socket, {"op": "release", "job_ids": [array_id]})
+    assert reply["error"]["code"] == "permission_denied"
+    assert states(node)[5] is JobState.HELD
+    released = gs(node, "release", "--", str(array_id))
+    assert released.exit_code == 0 and f"Released jobs {ids[5]}, {ids[6]}" in released.stdout
+    assert {states(node)[5], states(node)[6]} == {JobState.PENDING}
+    assert gs(node, "hold", "999999").exit_code == 4  # neither a job nor an array: nothing held
+
+
+def test_suspend_and_resume_an_array(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-3", "sleep", "60")
+    wait_until(lambda: set(states(node).values()) == {JobState.RUNNING}, what="every task running")
+    assert gs(node, "suspend", str(array_id)).exit_code == 0
+    assert set(states(node).values()) == {JobState.SUSPENDED}
+    assert gs(node, "resume", str(array_id)).exit_code == 0
+    assert set(states(node).values()) == {JobState.RUNNING}
+
+
+def test_holding_a_big_array_commits_in_bounded_chunks(node: DaemonHandle) -> None:
+    spec = JobSpec(argv=["sleep", "60"], cwd="/tmp", request=WholeRequest(gpus=4))
+    with node.client() as c:
+        c.call(SubmitRequest(spec=spec), SubmitResult)  # holds every GPU: the tasks all stay PENDING
+        array_id = c.call(SubmitRequest(spec=spec, array="1-1200"), SubmitResult).job_id
+    assert node.daemon is not None
+    store = node.daemon.store
+    batches: list[int] = []
+    real_batch = store.batch
+
+    def counting_batch():  # type: ignore[no-untyped-def]
+        batches.append(1)
+        return real_batch()
+
+    store.batch = counting_batch  # type: ignore[method-assign]
+    try:
+        with node.client() as c:
+            result = c.request({"op": "hold", "job_ids": [array_id]})
+    finally:
+        del store.batch
+    assert len(result["changed"]) == 1200 and result["arrays"] == [array_id]
+    assert len(batches) == 3  # one COMMIT per 500 tasks, not one per task nor one for all
+    assert set(states(node).values()) == {JobState.HELD}
+
+
+def test_after_an_array_waits_for_all_its_tasks_and_fails_if_one_did_not_complete(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-2", "sleep", "60")
+    wait_until(lambda: set(states(node).values()) == {JobState.RUNNING}, what="both tasks running")
+    dependent = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--after", str(array_id), "--",
+                              "true").stdout)["job_id"]
+    with node.client() as c:
+        shown = c.call(ShowRequest(job_id=dependent), ShowResult)
+    assert shown.job.state is JobState.PENDING
+    assert shown.waiting_reason == f"waiting for array {array_id} to complete"
+    assert gs(node, "cancel", f"{array_id}_1").exit_code == 0
+    wait_until(lambda: states(node)[1] is JobState.CANCELLED, what="task 1 cancelled")
+    with node.client() as c:  # one task is still running: the dependency is not decided yet
+        c.call(WaitRequest(job_id=dependent, timeout_s=0.5), WaitResult)
+        assert c.call(ShowRequest(job_id=dependent), ShowResult).job.state is JobState.PENDING
+    assert gs(node, "cancel", f"{array_id}_2").exit_code == 0
+    with node.client() as c:
+        waited = wait_until(lambda: (r := c.call(WaitRequest(job_id=dependent, timeout_s=5), WaitResult)).finished
+                            and r, timeout=20, what="the dependent failed")
+    assert waited is not False
+    ended = waited.job
+    assert ended.state is JobState.FAILED
+    assert ended.reason == f"dependency can never be met: array {array_id} ended CANCELLED, needed COMPLETED"
+
+
+def test_after_an_array_any_starts_once_every_task_has_ended(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-2", "sleep", "60")
+    dependent = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--after", f"{array_id}:any", "--",
+                              "true").stdout)["job_id"]
+    assert gs(node, "cancel", f"{array_id}_1").exit_code == 0
+    with node.client() as c:
+        c.call(WaitRequest(job_id=dependent, timeout_s=0.5), WaitResult)
+        assert c.call(ShowRequest(job_id=dependent), ShowResult).job.state is JobState.PENDING
+    assert gs(node, "cancel", str(array_id)).exit_code == 0
+    result = gs(node, "wait", str(dependent))
+    assert result.exit_code == 0 and "COMPLETED" in result.stderr
+
+
+def test_after_an_array_ok_starts_after_every_task_completed(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-3", "sh", "-c", "sleep 0.3")
+    dependent = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--after", str(array_id), "--",
+                              "true").stdout)["job_id"]
+    result = gs(node, "wait", str(dependent))
+    assert result.exit_code == 0, result.output
+    with node.client() as c:
+        job = c.call(ShowRequest(job_id=dependent), ShowResult).job
+    assert set(states(node).values()) == {JobState.COMPLETED}
+    assert job.started_at is not None
+    assert all(r.ended_at is not None and r.ended_at <= job.started_at for r in tasks(node).values())
+
+
+def test_wait_takes_an_array_task_and_exits_with_its_status(node: DaemonHandle) -> None:
+    array_id = submit_array(node, "1-2", "sh", "-c", 'exit "$GPUSCHED_ARRAY_TASK_ID"')
+    result = gs(node, "wait", f"{array_id}_2")
+    assert result.exit_code == 2, result.output
+    assert f"Job {tasks(node)[2].id} FAILED" in result.stderr
+    as_json = gs(node, "wait", "--json", f"{array_id}_1")
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["job_id"] == tasks(node)[1].id
+    whole = gs(node, "wait", str(array_id))  # an array is not one job: the error says how to name a task
+    assert whole.exit_code == 4 and f"{array_id}_1" in whole.stderr
+    assert gs(node, "wait", f"{array_id}_9").exit_code == 4

@@ -132,6 +132,38 @@ def test_one_users_pending_jobs_are_capped_in_bytes(daemon_factory: Callable[...
     assert as_user(OTHER_UID, handle.socket, message)[0]["error"]["code"] == "limit_exceeded"
 
 
+def test_a_restart_sums_the_waiting_counts_in_sql_to_what_the_engine_counted(
+        daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """The restart reads each user's waiting jobs and bytes from jobs.spec_bytes; they must be what
+    the engine counted while it ran, and what it takes off again as the jobs leave, to the byte."""
+    handle = daemon_factory(sim="H100-80GB:1")
+    big = _spec("true", env={"BIG": "y" * 5_000})
+    messages = [{"op": "submit", "spec": _spec("true", str(i)).model_dump(mode="json"), "hold": i % 2 == 0}
+                for i in range(3)]
+    messages += [{"op": "submit", "spec": big.model_dump(mode="json"), "array": "1-7%2"},
+                 {"op": "submit", "spec": _spec("sleep", "60").model_dump(mode="json"), "array": "0-2", "hold": True}]
+    with handle.client() as root:
+        blocker = _submit(root, _spec("sleep", "60"), hold=False)  # RUNNING (so the others wait): not counted
+        wait_until(lambda: root.call(ShowRequest(job_id=blocker), ShowResult).job.state is JobState.RUNNING,
+                   what="the blocker running")
+        _submit(root, big)
+    assert all(r["ok"] for r in as_user(OTHER_UID, handle.socket, *messages))
+
+    def counts() -> tuple[dict[int, int], dict[int, int]]:
+        assert handle.daemon is not None
+        engine = handle.daemon.engine
+        return handle.call_in_loop(lambda: (dict(engine._waiting_by_uid), dict(engine._waiting_bytes_by_uid)))
+
+    before = counts()
+    assert before[0] == {OTHER_UID: 3 + 7 + 3, 0: 1}
+    handle.restart()
+    assert counts() == before
+    with handle.client() as root:
+        ids = [r.id for r in root.call(QueueRequest(array_tasks=True), QueueResult).jobs]
+        root.call(CancelRequest(job_ids=ids), CancelResult)
+    assert counts() == ({}, {})  # every job taken off exactly what the restart put on
+
+
 # ---- item 4: cheap refusals, deduplicated ids, reads off the loop -----------------------------------
 
 

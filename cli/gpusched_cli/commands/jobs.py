@@ -1,6 +1,7 @@
-"""Looking at jobs and acting on them: queue, show, logs, cancel, suspend, resume, hold, release.
+"""Looking at jobs and acting on them: queue, show, logs, wait, cancel, suspend, resume, hold, release.
 
-show, logs and cancel also take an array task as ARRAY_TASK (`123_7`); queue lists an array as one row.
+show, logs, wait and cancel also take an array task as ARRAY_TASK (`123_7`); queue lists an array as
+one row; an array's id makes cancel, suspend, resume, hold and release act on all its tasks.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import click
 
 from gpusched_cli import messages, render
 from gpusched_cli.common import IDS, REF, REFS, JobRef, connected, echo, print_json, write_verbatim
-from gpusched_cli.exits import EXIT_INTERRUPTED
+from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
 from gpusched_cli.results import reading
 
 
@@ -109,6 +110,38 @@ def cancel(ctx: click.Context, refs: list[JobRef]) -> None:
     echo(text)
 
 
+@click.command()
+@REF
+@click.option("--json", "as_json", is_flag=True,
+              help='print {"job_id", "state", "exit_code", "signal", "exit_status"} when it ends')
+@click.pass_context
+def wait(ctx: click.Context, ref: JobRef, as_json: bool) -> None:
+    """Block until a job (or array task, 123_7) ends; exit with its exit status, as `submit --wait`.
+
+    A requeued job is waited through. Ctrl-C stops the waiting, not the job."""
+    job_id, task = ref
+    with connected(ctx) as client:
+        try:
+            while True:
+                result = client.request(messages.wait(job_id, 30.0, task=task))
+                with reading("wait", result):
+                    finished, job = bool(result["finished"]), result["job"]
+                if finished:
+                    break
+        except KeyboardInterrupt:
+            name = str(job_id) if task is None else f"{job_id}_{task}"
+            echo(f"\nStopped waiting; job {name} keeps going (`gpusched cancel {name}` to stop it)", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+    with reading("wait", result):
+        status = job_exit_status(job)
+        if as_json:
+            print_json({"job_id": job["id"], "state": job["state"], "exit_code": job.get("exit_code"),
+                        "signal": job.get("signal"), "exit_status": status}, compact=True)
+        else:
+            echo(render.final_state_text(job), err=True)
+    sys.exit(status)
+
+
 def _job_control(ctx: click.Context, op: str, job_ids: tuple[int, ...], done: str) -> None:
     with connected(ctx) as client:
         result = client.request(messages.job_control(op, list(job_ids)))
@@ -121,7 +154,8 @@ def _job_control(ctx: click.Context, op: str, job_ids: tuple[int, ...], done: st
 @IDS
 @click.pass_context
 def suspend(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Pause running jobs (SIGSTOP); they keep their devices and GPU memory."""
+    """Pause running jobs (SIGSTOP); they keep their devices and GPU memory. An array's id pauses
+    all its running tasks."""
     _job_control(ctx, "suspend", job_ids, "Suspended")
 
 
@@ -129,7 +163,7 @@ def suspend(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
 @IDS
 @click.pass_context
 def resume(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Continue suspended jobs (SIGCONT)."""
+    """Continue suspended jobs (SIGCONT). An array's id continues all its suspended tasks."""
     _job_control(ctx, "resume", job_ids, "Resumed")
 
 
@@ -137,7 +171,8 @@ def resume(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
 @IDS
 @click.pass_context
 def hold(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Keep pending jobs from starting until they are released."""
+    """Keep pending jobs from starting until they are released. An array's id holds all its
+    pending tasks."""
     _job_control(ctx, "hold", job_ids, "Held")
 
 
@@ -145,5 +180,5 @@ def hold(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
 @IDS
 @click.pass_context
 def release(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Let held jobs start again."""
+    """Let held jobs start again. An array's id releases all its held tasks."""
     _job_control(ctx, "release", job_ids, "Released")

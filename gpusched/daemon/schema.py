@@ -1,0 +1,141 @@
+"""The state database's schema: its tables, its version, and the upgrades from older versions.
+
+Kept apart from store.py so each file has one job: the store reads and writes jobs; this says what
+the database looks like and brings an older one up to date, once, when the daemon opens it.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gpusched.model import JobSpec, describe_request, display_name, spec_bytes
+
+SCHEMA_VERSION = 4  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
+# 4: jobs.spec_bytes, so a restart sums the per-user byte limits in SQL instead of measuring 100k specs
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    exit_code INTEGER,
+    signal INTEGER,
+    reason TEXT NOT NULL DEFAULT '',
+    allocation TEXT,
+    pid INTEGER,
+    display TEXT,
+    request TEXT,
+    array_id INTEGER,
+    array_task INTEGER,
+    spec_bytes INTEGER  -- what it counts against max_pending_bytes_per_user (a task: its share of the array's)
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+-- One row per job array; its tasks are rows of `jobs` (array_id, array_task) whose own spec is ''
+-- (they all share this one: 10,000 tasks must not store 10,000 copies of a 256 KiB environment).
+-- An array's id comes from the jobs' id sequence, so an id names a job or an array, never both.
+CREATE TABLE IF NOT EXISTS arrays (
+    id INTEGER PRIMARY KEY,
+    uid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    tasks TEXT NOT NULL,
+    task_count INTEGER NOT NULL,
+    max_running INTEGER,
+    submitted_at REAL NOT NULL
+);
+-- Client-chosen idempotency keys of submits (`request_id`): a retried submit finds its job here.
+CREATE TABLE IF NOT EXISTS submit_keys (
+    uid INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    job_id INTEGER NOT NULL,
+    PRIMARY KEY (uid, key)
+);
+CREATE TABLE IF NOT EXISTS transitions (
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    seq INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    at REAL NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    gpu INTEGER,
+    device TEXT,
+    job_id INTEGER
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+"""
+
+
+def version(db: sqlite3.Connection) -> int | None:
+    """The schema version a database was last written with; None for a new (empty) one."""
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+        return None
+    row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def create_or_upgrade(db: sqlite3.Connection) -> None:
+    """Create what is missing, upgrade what is older, and record SCHEMA_VERSION (the caller has
+    refused a newer database already).
+
+    Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
+    Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA.
+    Schema 3 -> 4: jobs.spec_bytes, measured once from each job's spec (a task's from its array's)."""
+    db.executescript(SCHEMA)
+    columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
+                         ("array_task", "INTEGER"), ("spec_bytes", "INTEGER")):
+        if column not in columns:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) WHERE array_id IS NOT NULL")
+    while rows := db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall():
+        with _transaction(db):  # 500 rows per transaction: a big upgrade is not one huge one
+            for job_id, text in rows:
+                spec = JobSpec.model_validate_json(text)
+                db.execute("UPDATE jobs SET display = ?, request = ? WHERE id = ?",
+                           (display_name(spec), describe_request(spec.request), job_id))
+    while rows := db.execute("SELECT id, spec FROM jobs WHERE spec_bytes IS NULL AND array_id IS NULL "
+                             "LIMIT 500").fetchall():
+        with _transaction(db):
+            db.executemany("UPDATE jobs SET spec_bytes = ? WHERE id = ?",
+                           [(spec_bytes(JobSpec.model_validate_json(text)), job_id) for job_id, text in rows])
+    arrays = db.execute("SELECT id, spec, task_count FROM arrays WHERE id IN "
+                        "(SELECT DISTINCT array_id FROM jobs WHERE spec_bytes IS NULL AND array_id IS NOT NULL)")
+    for array_id, text, count in arrays.fetchall():
+        with _transaction(db):
+            db.execute("UPDATE jobs SET spec_bytes = ? WHERE array_id = ? AND spec_bytes IS NULL",
+                       (task_bytes(JobSpec.model_validate_json(text), count), array_id))
+    db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value = ?",
+               (str(SCHEMA_VERSION), str(SCHEMA_VERSION)))
+
+
+def task_bytes(spec: JobSpec, count: int) -> int:
+    """What one of an array's `count` tasks counts against max_pending_bytes_per_user: its share of the
+    one spec they all use (the engine's Arrays.held_bytes is the same figure)."""
+    return math.ceil(spec_bytes(spec) / count)
+
+
+@contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")

@@ -1,0 +1,182 @@
+"""The read side of the state database: jobs, their histories, listings, events and metadata.
+
+Kept apart from store.py so each file has one job: this reads (on the loop, or on a read-only
+connection of its own in a worker thread); store.py writes, on the daemon's one connection.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+from gpusched.daemon.arraystore import ArrayReads
+from gpusched.daemon.compact import Compactor
+from gpusched.model import (
+    TERMINAL_STATES,
+    Allocation,
+    Event,
+    Job,
+    JobSpec,
+    JobState,
+    Transition,
+    WholeRequest,
+)
+
+
+class SummaryRow(NamedTuple):
+    """What a listing (`queue --all`) needs of a job, read without parsing its spec."""
+
+    id: int
+    uid: int
+    user: str
+    state: JobState
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    reason: str
+    devices: list[str]
+    display: str
+    request: str
+    array_id: int | None = None
+    array_task: int | None = None
+
+
+# A stand-in for the spec where a reader asked for jobs without theirs (accounting needs times and
+# allocations only, and parsing 256 KiB specs by the thousand is what made `stats` slow).
+NO_SPEC = JobSpec(argv=["?"], cwd="/", request=WholeRequest(gpus=1))
+
+_STATES = {s.value: s for s in JobState}  # a dict lookup, not Enum's __call__: a restart reads 200k
+_LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite's host-parameter limit)
+
+_SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
+                    "display, request, array_id, array_task")
+# An array task's spec is its array's (jobs.spec is '' for tasks).
+_SPEC = "CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END"
+
+
+class StoreReader(ArrayReads):
+    """The read side of the store. The daemon's Store is one; `StoreReader.open` gives a read-only
+    connection of its own that a worker thread may use while the loop keeps serving (WAL readers
+    never block the writer)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+        self.compactor = Compactor()
+
+    @classmethod
+    def open(cls, path: str) -> StoreReader:
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        return cls(sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False))
+
+    def close(self) -> None:
+        self._db.close()
+
+    def get(self, job_id: int) -> Job | None:
+        rows = list(self._select("WHERE id = ?", (job_id,)))
+        return rows[0] if rows else None
+
+    def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
+        """Jobs in the given states, in submission order (the order pending jobs were acknowledged)."""
+        names = [s.value for s in states]
+        marks = ", ".join("?" for _ in names)
+        return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
+
+    def jobs_touching(self, since: float, *, with_spec: bool = True) -> list[Job]:
+        """Jobs not finished before `since` (unfinished ones included), in submission order.
+
+        Without `with_spec` each job's spec is NO_SPEC: accounting reads only times and allocations.
+        """
+        return list(self._select("WHERE ended_at IS NULL OR ended_at >= ? ORDER BY id", (since,), with_spec))
+
+    def waiting_totals(self) -> dict[int, tuple[int, int]]:
+        """uid -> (PENDING and HELD jobs, their spec_bytes): a restart's per-user limit counts, summed
+        by SQLite instead of measuring every queued spec in Python."""
+        rows = self._db.execute("SELECT uid, COUNT(*), TOTAL(spec_bytes) FROM jobs WHERE state IN (?, ?) GROUP BY uid",
+                                (JobState.PENDING.value, JobState.HELD.value))
+        return {uid: (count, int(size)) for uid, count, size in rows}
+
+    def owner(self, job_id: int) -> tuple[int, str, JobState] | None:
+        """(uid, user, state) of a job, without reading its spec: enough to refuse or skip it cheaply."""
+        row = self._db.execute("SELECT uid, user, state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else (row[0], row[1], JobState(row[2]))
+
+    def summaries(self, *, limit: int, after_id: int | None = None, user: str | None = None,
+                  finished: bool = False, tasks: bool = True) -> list[SummaryRow]:
+        """Listing rows in id order: the first `limit` above `after_id`, else the newest `limit`
+        (only ended jobs with `finished`; no array tasks without `tasks`). Specs are never read: the
+        columns hold what a row shows."""
+        clauses: list[str] = [] if tasks else ["array_id IS NULL"]
+        args: list[Any] = []
+        if after_id is not None:
+            clauses.append("id > ?")
+            args.append(after_id)
+        if user is not None:
+            clauses.append("user = ?")
+            args.append(user)
+        if finished:
+            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
+            args.extend(s.value for s in TERMINAL_STATES)
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        order = "ASC" if after_id is not None else "DESC"
+        rows = self._db.execute(f"SELECT {_SUMMARY_COLUMNS} FROM jobs {where} ORDER BY id {order} LIMIT ?",
+                                (*args, limit)).fetchall()
+        out = [
+            SummaryRow(id=r[0], uid=r[1], user=r[2], state=JobState(r[3]), submitted_at=r[4], started_at=r[5],
+                       ended_at=r[6], exit_code=r[7], reason=r[8],
+                       devices=Allocation.model_validate_json(r[9]).uuids if r[9] else [], display=r[10] or "",
+                       request=r[11] or "", array_id=r[12], array_task=r[13])
+            for r in rows
+        ]
+        return out if after_id is not None else out[::-1]
+
+    def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
+        cur = self._db.execute(
+            f"SELECT id, uid, gid, user, {_SPEC if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
+            f" exit_code, signal, reason, allocation, pid, array_id, array_task FROM jobs {where}",
+            args,
+        )
+        # In chunks: 100k rows of spec text held at once would be freed after the load, but would
+        # leave the daemon's heap that much bigger for the rest of its life.
+        while rows := cur.fetchmany(_LOAD_CHUNK):
+            yield from self._jobs(rows, with_spec)
+
+    def _jobs(self, rows: list[Any], with_spec: bool) -> Iterator[Job]:
+        histories = self._histories([r[0] for r in rows])
+        compact = self.compactor  # an array's tasks share one spec: the text is its array's, the same for all
+        for r in rows:
+            yield compact.job(
+                id=r[0], uid=r[1], gid=r[2], user=r[3],
+                spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=_STATES[r[5]],
+                submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
+                allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
+                history=histories.get(r[0], []), array_id=r[14], array_task=r[15],
+            )
+
+    def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
+        out: dict[int, list[Transition]] = {}
+        for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
+            chunk = ids[start : start + 500]
+            marks = ", ".join("?" for _ in chunk)
+            for job_id, state, at, reason in self._db.execute(
+                f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
+                chunk,
+            ):
+                out.setdefault(job_id, []).append(self.compactor.transition(_STATES[state], at, reason))
+        return out
+
+    def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
+        """The newest `limit` events (of one job, if given), oldest first."""
+        where, args = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
+        rows = self._db.execute(
+            f"SELECT at, kind, message, gpu, device, job_id FROM events {where} ORDER BY id DESC LIMIT ?",
+            (*args, limit),
+        ).fetchall()
+        return [Event(at=r[0], kind=r[1], message=r[2], gpu=r[3], device=r[4], job_id=r[5]) for r in reversed(rows)]
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
