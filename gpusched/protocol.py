@@ -12,7 +12,7 @@ daemon validates every request with the models here, the client sends plain JSON
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
@@ -146,34 +146,42 @@ class WaitRequest(_Req):
     timeout_s: float = Field(default=30.0, ge=0.0, le=300.0)
 
 
-class SuspendRequest(_Req):
+class _JobControl(_Req):
+    """suspend / resume / hold / release: jobs (an array's id: every unfinished task) and single tasks."""
+
+    op: str  # each request's Literal; declared here so that it stays the first member of the frame
+    job_ids: list[JobId] = Field(default_factory=list, max_length=10_000,
+                                 description="jobs; an array's id names every unfinished task of the array")
+    tasks: list[TaskRef] = Field(default_factory=list, max_length=10_000, exclude_if=_unset,
+                                 description="single array tasks (`123_7`)")
+
+    @model_validator(mode="after")
+    def _something(self) -> Self:
+        if not self.job_ids and not self.tasks:
+            raise ValueError("name at least one job (job_ids) or array task (tasks)")
+        return self
+
+
+class SuspendRequest(_JobControl):
     """SIGSTOP the whole job; it keeps its devices and GPU memory."""
 
     op: Literal["suspend"] = "suspend"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
-                                 description="jobs; an array's id names every unfinished task of the array")
 
 
-class ResumeRequest(_Req):
+class ResumeRequest(_JobControl):
     """SIGCONT a suspended job."""
 
     op: Literal["resume"] = "resume"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
-                                 description="jobs; an array's id names every unfinished task of the array")
 
 
-class HoldRequest(_Req):
+class HoldRequest(_JobControl):
     """Keep pending jobs from starting until released."""
 
     op: Literal["hold"] = "hold"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
-                                 description="jobs; an array's id names every unfinished task of the array")
 
 
-class ReleaseRequest(_Req):
+class ReleaseRequest(_JobControl):
     op: Literal["release"] = "release"
-    job_ids: list[JobId] = Field(min_length=1, max_length=10_000,
-                                 description="jobs; an array's id names every unfinished task of the array")
 
 
 class GpuDrainRequest(_Req):

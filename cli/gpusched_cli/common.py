@@ -54,8 +54,6 @@ def write_verbatim(text: str) -> None:
     sys.stdout.buffer.flush()
 
 
-# The job-id arguments of suspend / resume / hold / release.
-IDS = click.argument("job_ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID [ID]...")
 
 JobRef = tuple[int, int | None]  # (job or array id, task index or None)
 
@@ -72,6 +70,7 @@ def _many_refs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
     return [_one_ref(ctx, param, text) for text in value]
 
 
-# The job arguments of show / logs (one) and cancel (many): a job id, or an array task as `123_7`.
+# The job arguments of show / logs / wait (one) and cancel / suspend / resume / hold / release (many):
+# a job id (an array's id: all its tasks), or an array task as `123_7`.
 REF = click.argument("ref", callback=_one_ref, metavar="ID|ARRAY_TASK")
 REFS = click.argument("refs", nargs=-1, required=True, callback=_many_refs, metavar="ID|ARRAY_TASK...")

@@ -101,9 +101,9 @@ def cancel(job_ids: list[int], tasks: list[Message] | None = None) -> Message:
     return {"op": "cancel", "job_ids": job_ids} | ({"tasks": tasks} if tasks else {})
 
 
-def job_control(op: str, job_ids: list[int]) -> Message:
-    """suspend / resume / hold / release: the same shape under four names."""
-    return {"op": op, "job_ids": job_ids}
+def job_control(op: str, job_ids: list[int], tasks: list[Message] | None = None) -> Message:
+    """suspend / resume / hold / release: the same shape under four names; `tasks` as for cancel."""
+    return {"op": op, "job_ids": job_ids} | ({"tasks": tasks} if tasks else {})
 
 
 LOGS_MAX_BYTES = 256 * 1024  # LogsRequest's default

@@ -236,19 +236,25 @@ async def wait(ctx: Context, req: WaitRequest) -> WaitResult:
 
 
 async def suspend(ctx: Context, req: SuspendRequest) -> JobsChanged:
-    return await _each(ctx, req.job_ids, "suspend", lambda job, why: ctx.engine.suspend(job, why), "suspended")
+    return await _each(ctx, _with_tasks(ctx, req), "suspend", lambda job, why: ctx.engine.suspend(job, why),
+                       "suspended")
 
 
 async def resume(ctx: Context, req: ResumeRequest) -> JobsChanged:
-    return await _each(ctx, req.job_ids, "resume", lambda job, why: ctx.engine.resume(job, why), "resumed")
+    return await _each(ctx, _with_tasks(ctx, req), "resume", lambda job, why: ctx.engine.resume(job, why), "resumed")
 
 
 async def hold(ctx: Context, req: HoldRequest) -> JobsChanged:
-    return await _each(ctx, req.job_ids, "hold", lambda job, why: ctx.engine.hold(job, why), "held")
+    return await _each(ctx, _with_tasks(ctx, req), "hold", lambda job, why: ctx.engine.hold(job, why), "held")
 
 
 async def release(ctx: Context, req: ReleaseRequest) -> JobsChanged:
-    return await _each(ctx, req.job_ids, "release", lambda job, why: ctx.engine.release(job, why), "released")
+    return await _each(ctx, _with_tasks(ctx, req), "release", lambda job, why: ctx.engine.release(job, why), "released")
+
+
+def _with_tasks(ctx: Context, req: SuspendRequest | ResumeRequest | HoldRequest | ReleaseRequest) -> list[int]:
+    """The request's job ids, then the job id of each single task it names (`123_7`)."""
+    return [*req.job_ids, *(_task_job(ctx, t.array_id, t.task) for t in req.tasks)]
 
 
 async def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job, str], str | None],

@@ -273,6 +273,27 @@ def test_suspend_and_resume_an_array(node: DaemonHandle) -> None:
     assert set(states(node).values()) == {JobState.RUNNING}
 
 
+def test_job_control_takes_a_single_array_task(node: DaemonHandle) -> None:
+    """`hold 120_5` / `release 120_5` / `suspend 120_1` / `resume 120_1` act on that task alone."""
+    array_id = submit_array(node, "1-6", "sleep", "60")  # 4 GPUs: tasks 1-4 run, 5-6 wait
+    wait_until(lambda: [i for i, s in states(node).items() if s is JobState.RUNNING] == [1, 2, 3, 4],
+               what="tasks 1-4 running")
+    ids = {i: r.id for i, r in tasks(node).items()}
+    held = gs(node, "hold", f"{array_id}_5")
+    assert held.exit_code == 0 and f"Held job {ids[5]}" in held.stdout, held.output
+    assert states(node)[5] is JobState.HELD and states(node)[6] is JobState.PENDING
+    assert gs(node, "release", f"{array_id}_5").exit_code == 0
+    assert states(node)[5] is JobState.PENDING
+    assert gs(node, "suspend", f"{array_id}_1").exit_code == 0
+    assert states(node)[1] is JobState.SUSPENDED and states(node)[2] is JobState.RUNNING
+    assert gs(node, "resume", f"{array_id}_1").exit_code == 0
+    assert states(node)[1] is JobState.RUNNING
+    [reply] = as_user(OTHER_UID, node.socket, {"op": "hold", "tasks": [{"array_id": array_id, "task": 6}]})
+    assert reply["error"]["code"] == "permission_denied" and states(node)[6] is JobState.PENDING
+    missing = gs(node, "hold", f"{array_id}_99")
+    assert missing.exit_code == 4 and "has no task 99" in missing.output, missing.output
+
+
 def test_holding_a_big_array_commits_in_bounded_chunks(node: DaemonHandle) -> None:
     spec = JobSpec(argv=["sleep", "60"], cwd="/tmp", request=WholeRequest(gpus=4))
     with node.client() as c:

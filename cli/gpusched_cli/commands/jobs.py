@@ -12,7 +12,7 @@ import time
 import click
 
 from gpusched_cli import messages, render
-from gpusched_cli.common import IDS, REF, REFS, JobRef, connected, echo, print_json, write_verbatim
+from gpusched_cli.common import REF, REFS, JobRef, connected, echo, print_json, write_verbatim
 from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
 from gpusched_cli.results import reading
 
@@ -142,43 +142,47 @@ def wait(ctx: click.Context, ref: JobRef, as_json: bool) -> None:
     sys.exit(status)
 
 
-def _job_control(ctx: click.Context, op: str, job_ids: tuple[int, ...], done: str) -> None:
+def _job_control(ctx: click.Context, op: str, refs: list[JobRef], done: str) -> None:
+    request = messages.job_control(op, [i for i, t in refs if t is None],
+                                   [messages.task_ref(i, t) for i, t in refs if t is not None])
     with connected(ctx) as client:
-        result = client.request(messages.job_control(op, list(job_ids)))
+        result = client.request(request)
     with reading(op, result):
         text = render.changed_text(done, result)
     echo(text)
 
 
 @click.command()
-@IDS
+@REFS
 @click.pass_context
-def suspend(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+def suspend(ctx: click.Context, refs: list[JobRef]) -> None:
     """Pause running jobs (SIGSTOP); they keep their devices and GPU memory. An array's id pauses
-    all its running tasks."""
-    _job_control(ctx, "suspend", job_ids, "Suspended")
+    all its running tasks; ARRAY_TASK (123_7) one of them."""
+    _job_control(ctx, "suspend", refs, "Suspended")
 
 
 @click.command()
-@IDS
+@REFS
 @click.pass_context
-def resume(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Continue suspended jobs (SIGCONT). An array's id continues all its suspended tasks."""
-    _job_control(ctx, "resume", job_ids, "Resumed")
+def resume(ctx: click.Context, refs: list[JobRef]) -> None:
+    """Continue suspended jobs (SIGCONT). An array's id continues all its suspended tasks;
+    ARRAY_TASK (123_7) one of them."""
+    _job_control(ctx, "resume", refs, "Resumed")
 
 
 @click.command()
-@IDS
+@REFS
 @click.pass_context
-def hold(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+def hold(ctx: click.Context, refs: list[JobRef]) -> None:
     """Keep pending jobs from starting until they are released. An array's id holds all its
-    pending tasks."""
-    _job_control(ctx, "hold", job_ids, "Held")
+    pending tasks; ARRAY_TASK (123_7) one of them."""
+    _job_control(ctx, "hold", refs, "Held")
 
 
 @click.command()
-@IDS
+@REFS
 @click.pass_context
-def release(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Let held jobs start again. An array's id releases all its held tasks."""
-    _job_control(ctx, "release", job_ids, "Released")
+def release(ctx: click.Context, refs: list[JobRef]) -> None:
+    """Let held jobs start again. An array's id releases all its held tasks; ARRAY_TASK (123_7)
+    one of them."""
+    _job_control(ctx, "release", refs, "Released")
