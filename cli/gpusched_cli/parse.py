@@ -81,20 +81,23 @@ def parse_duration_s(text: str) -> int:
     return total
 
 
-_AFTER_RE = re.compile(r"^\s*(\d+)\s*(?::\s*(ok|any)\s*)?$", re.IGNORECASE)
+_AFTER_RE = re.compile(r"^\s*(\d+)(?:_(\d+))?\s*(?::\s*(ok|any)\s*)?$", re.IGNORECASE)
 
 
-def parse_dependencies(text: str) -> list[tuple[int, Literal["ok", "any"]]]:
-    """`--after 12`, `12:any`, `12,13:ok` -> [(job_id, "ok"|"any")]; `ok` (ended COMPLETED) by default."""
-    out: list[tuple[int, Literal["ok", "any"]]] = []
+def parse_dependencies(text: str) -> list[tuple[int, int | None, Literal["ok", "any"]]]:
+    """`--after 12`, `12:any`, `12,13:ok`, `120_7` -> [(job or array id, task or None, "ok"|"any")];
+    `ok` (ended COMPLETED) by default. `120_7` is task 7 of array 120."""
+    out: list[tuple[int, int | None, Literal["ok", "any"]]] = []
     for part in text.split(","):
         match = _AFTER_RE.match(part)
         if not match or int(match.group(1)) < 1:
             raise ValueError(
-                f"{part.strip()!r} is not a dependency; use a job id, optionally with :ok (it must end "
-                "COMPLETED, the default) or :any (it may end any way), e.g. 12, 12:any, 12,13:any"
+                f"{part.strip()!r} is not a dependency; use a job id or an array task (120_7), optionally "
+                "with :ok (it must end COMPLETED, the default) or :any (it may end any way), e.g. 12, 12:any, "
+                "12,13:any, 120_7"
             )
-        out.append((int(match.group(1)), "any" if (match.group(2) or "").lower() == "any" else "ok"))
+        task = None if match.group(2) is None else int(match.group(2))
+        out.append((int(match.group(1)), task, "any" if (match.group(3) or "").lower() == "any" else "ok"))
     return out
 
 

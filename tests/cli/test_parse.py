@@ -88,14 +88,15 @@ def test_printed_sizes_read_back_within_rounding(mib: int) -> None:
 
 @pytest.mark.parametrize(
     ("text", "deps"),
-    [("12", [(12, "ok")]), ("12:any", [(12, "any")]), ("12:OK", [(12, "ok")]),
-     ("12, 13:any", [(12, "ok"), (13, "any")])],
+    [("12", [(12, None, "ok")]), ("12:any", [(12, None, "any")]), ("12:OK", [(12, None, "ok")]),
+     ("12, 13:any", [(12, None, "ok"), (13, None, "any")]), ("120_7", [(120, 7, "ok")]),
+     ("120_0:any,5", [(120, 0, "any"), (5, None, "ok")])],
 )
-def test_dependencies(text: str, deps: list[tuple[int, str]]) -> None:
+def test_dependencies(text: str, deps: list[tuple[int, int | None, str]]) -> None:
     assert parse_dependencies(text) == deps
 
 
-@pytest.mark.parametrize("text", ["", "x", "0", "12:maybe", "12,", "-1", "12:ok:any"])
+@pytest.mark.parametrize("text", ["", "x", "0", "12:maybe", "12,", "-1", "12:ok:any", "120_", "_7", "120_7_1"])
 def test_bad_dependencies(text: str) -> None:
     with pytest.raises(ValueError, match="not a dependency"):
         parse_dependencies(text)

@@ -369,6 +369,21 @@ def test_after_an_array_ok_starts_after_every_task_completed(node: DaemonHandle)
     assert all(r.ended_at is not None and r.ended_at <= job.started_at for r in tasks(node).values())
 
 
+def test_after_an_array_task_waits_for_that_task_only(node: DaemonHandle) -> None:
+    """`--after 120_1` names task 1's job: the dependent starts once it completed, while task 2 runs on."""
+    array_id = submit_array(node, "1-2", "sh", "-c", 'if [ "$GPUSCHED_ARRAY_TASK_ID" = 2 ]; then sleep 60; fi')
+    dependent = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--after", f"{array_id}_1", "--",
+                              "true").stdout)["job_id"]
+    with node.client() as c:
+        spec = c.call(ShowRequest(job_id=dependent), ShowResult).job.spec
+    assert [d.job_id for d in spec.after] == [tasks(node)[1].id]
+    assert gs(node, "wait", str(dependent)).exit_code == 0
+    assert states(node)[2] is JobState.RUNNING
+    missing = gs(node, "submit", "--gpus", "1", "--after", f"{array_id}_9", "--", "true")
+    assert missing.exit_code == 4 and "has no task 9" in missing.output, missing.output
+    assert gs(node, "cancel", str(array_id)).exit_code == 0
+
+
 def test_wait_takes_an_array_task_and_exits_with_its_status(node: DaemonHandle) -> None:
     array_id = submit_array(node, "1-2", "sh", "-c", 'exit "$GPUSCHED_ARRAY_TASK_ID"')
     result = gs(node, "wait", f"{array_id}_2")

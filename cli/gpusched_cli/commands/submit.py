@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -46,17 +46,33 @@ def _time_flag(ctx: click.Context, param: click.Parameter, value: str | None) ->
 JOB_ID_MAX = 2**63 - 1  # gpusched.model.JobId: SQLite's INTEGER primary key
 
 
-def _after_flag(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[dict[str, Any]]:
+After = tuple[int, int | None, Literal["ok", "any"]]  # (job or array id, array task or None, condition)
+
+
+def _after_flag(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[After]:
     try:
-        pairs = [pair for text in value for pair in parse_dependencies(text)]
-        if any(job_id > JOB_ID_MAX for job_id, _ in pairs):  # no such job can exist: the model says why
+        deps = [dep for text in value for dep in parse_dependencies(text)]
+        if any(job_id > JOB_ID_MAX for job_id, _, _ in deps):  # no such job can exist: the model says why
             from gpusched.model import Dependency
 
-            for job_id, condition in pairs:
+            for job_id, _, condition in deps:
                 Dependency(job_id=job_id, condition=condition)  # raises ValidationError, a ValueError
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
-    return [messages.dependency(job_id, condition) for job_id, condition in pairs]
+    return deps
+
+
+def _task_jobs(client: Client, after: list[After]) -> list[dict[str, Any]]:
+    """The dependencies with each array task (`120_7`) replaced by its job's id, asked of the daemon
+    (an unknown array or task ends the command as `show 120_7` would)."""
+    out = []
+    for job_id, task, condition in after:
+        if task is not None:
+            result = client.request(messages.show(job_id, task))
+            with reading("show", result):
+                job_id = int(result["job"]["id"])
+        out.append(messages.dependency(job_id, condition))
+    return out
 
 
 def _fraction_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -183,7 +199,8 @@ def check_with_model(spec: dict[str, Any]) -> None:
               help="lower the job's priority among your own jobs")
 @click.option("--requeue", is_flag=True, help="put the job back in the queue if it is preempted")
 @click.option("--after", multiple=True, metavar="ID[:ok|any]", callback=_after_flag,
-              help="start only after job ID ended (ok: COMPLETED, the default; any: however); repeatable")
+              help="start only after job ID ended (ok: COMPLETED, the default; any: however); an array's id "
+                   "waits for all its tasks, ARRAY_TASK (120_7) for one; repeatable")
 @click.option("--cpus", type=click.IntRange(1, 4096), help="host CPU cores for the job")
 @click.option("--mem", "mem", metavar="SIZE", callback=_size_flag, help="host memory limit: 32G, 512M, ...")
 @click.option("--hold", is_flag=True, help="submit held: the job starts only after `gpusched release`")
@@ -208,7 +225,7 @@ def submit(
     job_class: str,
     nice: int,
     requeue: bool,
-    after: list[dict[str, Any]],
+    after: list[After],
     cpus: int | None,
     mem: int | None,
     hold: bool,
@@ -246,7 +263,7 @@ def submit(
         nice=nice,
         requeue=requeue,
         precision=precision,
-        after=after,
+        after=[messages.dependency(job_id, condition) for job_id, _, condition in after],
         cpus=cpus,
         mem_mib=mem,
     )
@@ -254,6 +271,8 @@ def submit(
         check_with_model(spec)
 
     with connected(ctx) as client:
+        if any(task is not None for _, task, _ in after):
+            spec["after"] = _task_jobs(client, after)
         message = messages.submit(spec, hold, array=array, request_id=resubmit.new_request_id())
         submitted = resubmit.submit(client, message)
         with reading("submit", submitted):
