@@ -150,7 +150,7 @@ class SchedulerCore:
     _times_preempted: dict[int, int]
     _head_id: int | None
     _cluster: Cluster | None
-    _reserve_memo: tuple[object, _Reservation] | None
+    _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
     _sigs: dict[int, tuple[object, ...]]
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]

@@ -117,7 +117,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
-        self._reserve_memo: tuple[object, _Reservation] | None = None
+        self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
         self._sigs: dict[int, tuple[object, ...]] = {}  # pending job -> _signature (passes ask many times)
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
@@ -375,22 +375,29 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                  fingerprint: tuple[object, ...]) -> _Reservation:
         """When would the blocked head fit, releasing active jobs in order of their expected end?
 
-        The answer depends only on the head, what is held, the reserved devices and the expected
-        ends, so a pass in which none of them changed reuses the last one.
+        Which release lets the head fit depends only on the head, what is held (by whom), the
+        reserved devices and the *order* of the expected ends, not on their values: those move
+        every pass for jobs running past their estimate (never below k x elapsed). So the memo
+        keeps the index of that release and the start is re-read from this pass's ends.
         """
         ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
                       for jid, rec in self._active.items() if jid in cluster.held)
-        key = (job.id, fingerprint, reserved, tuple(ends), now if ends and ends[0][0] <= now else None)
+        held = cluster.held
+        key = (job.id, fingerprint, reserved, self._pinned.get(job.id), tuple((jid, held[jid]) for _, jid in ends))
         cached = self._reserve_memo
         if cached is not None and cached[0] == key:
-            r = cached[1]
-            return _Reservation(r.job_id, r.at, r.uuids, r.served_by_ends)
-        res = self._reserve_fresh(cluster, job, now, reserved, ends)
-        self._reserve_memo = (key, _Reservation(res.job_id, res.at, res.uuids, res.served_by_ends))
-        return res
+            index, uuids = cached[1]
+        else:
+            index, uuids = self._reserve_fresh(cluster, job, reserved, ends)
+            self._reserve_memo = (key, (index, uuids))
+        if index is None:
+            return _Reservation(job.id, math.inf, frozenset(), served_by_ends=False)
+        return _Reservation(job.id, max(ends[index][0], now), uuids)
 
-    def _reserve_fresh(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
-                       ends: list[tuple[float, int]]) -> _Reservation:
+    def _reserve_fresh(self, cluster: Cluster, job: Job, reserved: frozenset[str],
+                       ends: list[tuple[float, int]]) -> tuple[int | None, frozenset[str]]:
+        """(index in `ends` of the release after which the head fits, the devices it gets), or
+        (None, empty) if no release helps."""
         sim = cluster.copy()
         need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
         # A one-device request that does not fit now can fit only on a device a release touched:
@@ -398,7 +405,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         single = need_whole <= 1
         everything = frozenset(sim.devices)
         freed: set[str] = set()
-        for end, jid in ends:
+        for index, (_, jid) in enumerate(ends):
             if single:
                 freed.update(sim.devices_of(jid))
             sim.release(jid)
@@ -406,8 +413,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                 continue  # cannot fit yet: skip the full placement
             alloc = self._place(sim, job, reserved | (everything - freed) if single else reserved)
             if alloc is not None:
-                return _Reservation(job.id, max(end, now), frozenset(alloc.uuids))
-        return _Reservation(job.id, math.inf, frozenset(), served_by_ends=False)
+                return index, frozenset(alloc.uuids)
+        return None, frozenset()
 
     def _backfill_ok(self, job: Job, alloc: Allocation, now: float) -> tuple[bool, str]:
         """May `job` start in a hole without delaying the fairness head's reserved start?"""
