@@ -112,6 +112,9 @@ class RuntimeEstimator:
         # Commands with any history (live keys naming them). 100k queued jobs of a sweep are mostly
         # commands never seen: their estimate is their shape's, shared, with no per-command keys.
         self._cmds: dict[str, int] = {}
+        # Bumped whenever anything is learned: an unchanged revision means every estimate is as it
+        # was, which lets callers keep values derived from estimates (the queue's deadlines).
+        self.revision = 0
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
@@ -121,6 +124,7 @@ class RuntimeEstimator:
             self._remember(key, runtime_s)
 
     def _remember(self, key: str, runtime_s: float) -> None:
+        self.revision += 1
         self._versions[key] = self._versions.get(key, 0) + 1
         runs = self._runs.get(key)
         if runs is None:

@@ -130,6 +130,9 @@ class Cluster:
         self.held: dict[int, _Held] = {}
         self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
         self._fingerprint: tuple[object, ...] | None = None  # until the next change
+        # place()'s answers until the next change: a pass asks the same question for every job of a
+        # shape that fits but may not backfill, and for every shape that found no room.
+        self._placed: dict[tuple[object, ...], Allocation | None] = {}
 
     @classmethod
     def build(
@@ -215,7 +218,7 @@ class Cluster:
     # ---- changes -------------------------------------------------------------------------
     def commit(self, job: Job, alloc: Allocation) -> None:
         """Record a new allocation made by `place`; raises if it would break an invariant."""
-        self._fingerprint = None
+        self._changed()
         if job.id in self.held:
             raise ValueError(f"job {job.id} already holds devices")
         prec = precision_class(job.spec.precision)
@@ -239,7 +242,7 @@ class Cluster:
 
     def release(self, job_id: int) -> None:
         """Free what a job holds (it ended, or a what-if says it will)."""
-        self._fingerprint = None
+        self._changed()
         held = self.held.pop(job_id, None)
         if held is None:
             return
@@ -257,6 +260,12 @@ class Cluster:
                 if not dev.clients:
                     dev.used_fraction, dev.used_mem = 0.0, 0
 
+    def _changed(self) -> None:
+        """Usage changed: what was derived from it (fingerprint, placements) is stale."""
+        self._fingerprint = None
+        if self._placed:
+            self._placed = {}
+
     def devices_of(self, job_id: int) -> tuple[str, ...]:
         held = self.held.get(job_id)
         return held.uuids if held is not None else ()
@@ -264,7 +273,7 @@ class Cluster:
     def pause(self, job_id: int) -> bool:
         """A share suspended in place: its compute is free, its memory and slot stay. False if the
         job holds no share here."""
-        self._fingerprint = None
+        self._changed()
         held = self.held.get(job_id)
         if held is None or not held.shared:
             return False
@@ -291,7 +300,7 @@ class Cluster:
         clients = [(self.devices[u], self.devices[u].clients.get(job_id)) for u in held.uuids if u in self.devices]
         if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
             return False
-        self._fingerprint = None
+        self._changed()
         for dev, c in clients:
             assert c is not None
             dev.used_fraction += c.share - c.fraction
@@ -334,6 +343,24 @@ class Cluster:
         prefers one of its own or an empty one).
         """
         req = job.spec.request
+        # What the answer depends on: the request (and uid for shares), the precision (affinity
+        # and env), the exclusions and the uid policy. Not the job's id: jobs of one shape share it.
+        key: tuple[object, ...] | None = None
+        if isinstance(forbidden, frozenset):
+            if isinstance(req, WholeRequest):
+                key = ("g", req.gpus, job.spec.precision, forbidden)
+            elif isinstance(req, MigRequest):
+                key = ("m", req.profile, job.spec.precision, forbidden)
+            else:
+                key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
+            if key in self._placed:
+                return self._placed[key]
+        alloc = self._place(job, req, forbidden, mps_any_uid)
+        if key is not None:
+            self._placed[key] = alloc
+        return alloc
+
+    def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool) -> Allocation | None:
         prec = precision_class(job.spec.precision)
         env = job_env(job)
         if isinstance(req, WholeRequest):

@@ -65,9 +65,15 @@ class _UserQueue:
 class RunQueue:
     """Pending jobs. The scheduler owns activation in FairShare; this class owns order only."""
 
-    def __init__(self, fair: FairShare, expected: Callable[[Job], float] | None = None) -> None:
+    def __init__(self, fair: FairShare, expected: Callable[[Job], float] | None = None,
+                 revision: Callable[[], int] | None = None) -> None:
+        """`revision` (optional) changes whenever `expected` may answer differently: while it does
+        not, a user's deadline offset (what their head job adds to v) is reused by `rekey`."""
         self.fair = fair
         self._expected_of = expected or (lambda job: fair.config.batch_quantum_s)
+        self._revision = revision
+        # user -> (head job, revision, weight, deadline - v): v moves on every charge, the rest rarely
+        self._offsets: dict[str, tuple[Job, int, float, float]] = {}
         self._jobs: dict[int, Job] = {}
         self._keys: dict[int, JobKey] = {}
         self._users: dict[str, _UserQueue] = {}
@@ -134,6 +140,7 @@ class RunQueue:
                 self._order.remove(uq.key)
             del self._users[job.user]
             self._parked.discard(job.user)
+            self._offsets.pop(job.user, None)
         elif was_head:
             self.rekey(job.user)
         return job
@@ -164,12 +171,25 @@ class RunQueue:
         head = self.head(user)
         if head is None:
             return float("inf")
-        return self._deadline(user, head, self.fair.v(user))
+        v = self.fair.v(user)
+        if self._revision is None:
+            return self._deadline(user, head, v)
+        revision, weight = self._revision(), self.fair.weight(user)
+        cached = self._offsets.get(user)
+        if cached is not None and cached[0] is head and cached[1] == revision and cached[2] == weight:
+            return v + cached[3]
+        offset = self._offset(user, head)
+        self._offsets[user] = (head, revision, weight, offset)
+        return v + offset
 
     def _deadline(self, user: str, job: Job, v: float) -> float:
+        return v + self._offset(user, job)
+
+    def _offset(self, user: str, job: Job) -> float:
+        """What the job's request adds to v for its deadline: fraction·request_s·100/w."""
         fair = self.fair
         request_s = fair.request_length(self._expected_of(job), job.spec.job_class)
-        return v + request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
+        return request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
 
     def rekey(self, user: str) -> None:
         """Recompute a user's place after their v, rate, weight or head job changed. O(log n)."""

@@ -87,7 +87,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self.config = config or SchedulerConfig()
         self.fair = FairShare(self.config.fairness)
         self.estimator = RuntimeEstimator(self.config.estimator)
-        self.queue = RunQueue(self.fair, expected=self.estimator.predict)
+        self.queue = RunQueue(self.fair, expected=self.estimator.predict, revision=lambda: self.estimator.revision)
         self.incremental = incremental
         self._active: dict[int, _Active] = {}
         self._unused: dict[str, float] = {}  # user -> GPU-s committed by running jobs, not used yet
