@@ -21,14 +21,17 @@ Rules, in order of preference (each a tie-breaker for the one before):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Literal
 
 from gpusched.construct import construct, fields_of
+from gpusched.core.devices import _EPS, MPS_MAX_CLIENTS, DeviceUse, _Client, _Held, _mode, _share_fits, precision_class
+from gpusched.core.devices import SHARE_MODES as SHARE_MODES
+from gpusched.core.devices import ShareMode as ShareMode
+from gpusched.core.devices import job_env as job_env
+from gpusched.core.satisfiable import offered_profiles as offered_profiles
+from gpusched.core.satisfiable import unsatisfiable_reason as unsatisfiable_reason
 from gpusched.gpu.backend import Gpu
-from gpusched.gpu.profiles import MODELS
 from gpusched.model import (
     ACTIVE_STATES,
     AllocatedDevice,
@@ -39,86 +42,7 @@ from gpusched.model import (
     WholeRequest,
 )
 
-ShareMode = Literal["exclusive", "mps", "timeslice"]
-SHARE_MODES: tuple[str, ...] = ("exclusive", "mps", "timeslice")
-MPS_MAX_CLIENTS = 48  # Volta+ client contexts per device; lowered proportionally on MIG (reference §4)
-_EPS = 1e-9
-
 Request = WholeRequest | MigRequest | ShareRequest
-
-
-def precision_class(precision: str | None) -> str | None:
-    """`half` for fp16/bf16, `full` for fp32/tf32, None when the job did not say."""
-    if precision in ("fp16", "bf16"):
-        return "half"
-    if precision in ("fp32", "tf32"):
-        return "full"
-    return None
-
-
-def job_env(job: Job) -> dict[str, str]:
-    """Environment the placement adds: fp32 jobs get TF32 switched off so they really run fp32."""
-    return {"NVIDIA_TF32_OVERRIDE": "0"} if job.spec.precision == "fp32" else {}
-
-
-@dataclass(slots=True)
-class _Client:
-    fraction: float  # compute it uses now: 0 while suspended in place
-    mem: int
-    uid: int
-    prec: str | None
-    share: float = 0.0  # compute it was given (what it takes back when it continues)
-
-
-@dataclass(slots=True)
-class DeviceUse:
-    """One device (whole GPU with MIG off, or MIG instance) and who is on it."""
-
-    uuid: str
-    gpu_index: int
-    kind: Literal["gpu", "mig"]
-    profile: str | None
-    compute_fraction: float  # of the physical GPU: 1.0, or instance SMs / GPU SMs
-    memory_mib: int
-    mode: str  # exclusive | mps | timeslice
-    numa: object  # NUMA node, else the CPU-affinity tuple, else None
-    max_clients: int
-    mps_owner: int | None = None  # uid of the idle MPS server the snapshot reports, if any
-    holder: int | None = None  # job id holding the device exclusively
-    holder_prec: str | None = None
-    clients: dict[int, _Client] = field(default_factory=dict)
-    used_fraction: float = 0.0
-    used_mem: int = 0
-
-    @property
-    def idle(self) -> bool:
-        return self.holder is None and not self.clients
-
-    @property
-    def shared(self) -> bool:
-        return self.mode in ("mps", "timeslice")
-
-    def precs(self) -> set[str]:
-        out = {c.prec for c in self.clients.values() if c.prec is not None}
-        if self.holder_prec is not None:
-            out.add(self.holder_prec)
-        return out
-
-    def copy(self) -> DeviceUse:
-        return DeviceUse(
-            self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
-            self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
-            {k: _Client(c.fraction, c.mem, c.uid, c.prec, c.share) for k, c in self.clients.items()},
-            self.used_fraction, self.used_mem,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """What a committed job holds, so release can undo it exactly."""
-
-    uuids: tuple[str, ...]
-    shared: bool
 
 
 class Cluster:
@@ -458,20 +382,6 @@ class Cluster:
         return out
 
 
-def _mode(value: str | None) -> str:
-    return value if value in SHARE_MODES else "exclusive"
-
-
-def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: bool = False) -> bool:
-    if not d.shared or d.holder is not None:
-        return False
-    if d.used_fraction + fraction > 1 + _EPS or d.used_mem + mem > d.memory_mib:
-        return False
-    if len(d.clients) >= d.max_clients:
-        return False
-    return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
-
-
 _DEVICE_FIELDS = fields_of(AllocatedDevice)
 _ALLOCATION_FIELDS = fields_of(Allocation)
 
@@ -489,60 +399,3 @@ def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, 
                                                       "share": share, "gpu_mem_mib": gpu_mem_mib, "env": env})
 
 
-def offered_profiles(gpu: Gpu) -> set[str]:
-    """MIG profiles a GPU's model can host (empty for a model without tables)."""
-    model = MODELS.get(gpu.model)
-    return {p.name for p in model.profiles} if model is not None else set()
-
-
-def unsatisfiable_reason(
-    request: Request,
-    gpus: Sequence[Gpu],
-    share_modes: Mapping[str, str] | None = None,
-    dynamic: frozenset[int] = frozenset(),
-    mode_toggle: bool = False,
-) -> str | None:
-    """Why this node can never run the request, in words that say what the node has; None if it can.
-
-    `share_modes` (device UUID -> exclusive|mps|timeslice) makes share requests answerable;
-    `dynamic` (GPU indices whose MIG layout the scheduler may change) makes a MIG profile
-    satisfiable when such a GPU's model offers it, even if no instance of it exists yet; with
-    `mode_toggle` the scheduler may also switch their MIG mode, so they count as whole GPUs too.
-    """
-    modes = share_modes or {}
-    whole = [g for g in gpus if not g.mig_enabled or (mode_toggle and g.index in dynamic)]
-    if isinstance(request, WholeRequest):
-        if request.gpus > len(whole):
-            mig_note = f" ({len(gpus) - len(whole)} more are in MIG mode)" if len(whole) < len(gpus) else ""
-            return (
-                f"asks for {request.gpus} whole GPU(s) but this node has {len(whole)} GPU(s) "
-                f"with MIG off{mig_note}"
-            )
-        return None
-    if isinstance(request, MigRequest):
-        offered = sorted({i.profile for g in gpus for i in g.instances})
-        if request.profile in offered:
-            return None
-        dyn = [g for g in gpus if g.index in dynamic and (g.mig_enabled or mode_toggle)]
-        if any(request.profile in offered_profiles(g) for g in dyn):
-            return None
-        have = ", ".join(offered) if offered else "none"
-        dyn_note = ""
-        if dyn:
-            dyn_note = "; dynamic GPUs offer: " + ", ".join(
-                sorted({p for g in dyn for p in offered_profiles(g)}))
-        return f"asks for MIG profile {request.profile} but this node's MIG instances are: {have}{dyn_note}"
-    shared: list[tuple[str, int]] = []  # (what, memory)
-    for g in gpus:
-        if not g.mig_enabled and modes.get(g.uuid) in ("mps", "timeslice"):
-            shared.append((f"GPU {g.index}", g.memory_total_mib))
-        for inst in g.instances if g.mig_enabled else ():
-            if modes.get(inst.uuid) in ("mps", "timeslice"):
-                shared.append((f"{inst.profile} on GPU {g.index}", inst.memory_mib))
-    if not shared:
-        return "asks for a GPU share but no device on this node is configured for sharing (mps or timeslice)"
-    largest = max(m for _, m in shared)
-    if request.gpu_mem_mib > largest:
-        return (f"asks for a share with {request.gpu_mem_mib} MiB of GPU memory but the largest shared "
-                f"device on this node has {largest} MiB")
-    return None

@@ -1,0 +1,103 @@
+"""The usage of one device (a whole GPU with MIG off, or a MIG instance) and the rules a share must
+meet there. placement.py fits requests onto many of them; cluster_sync.py keeps them current.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gpusched.model import Job
+
+ShareMode = Literal["exclusive", "mps", "timeslice"]
+SHARE_MODES: tuple[str, ...] = ("exclusive", "mps", "timeslice")
+MPS_MAX_CLIENTS = 48  # Volta+ client contexts per device; lowered proportionally on MIG (reference §4)
+_EPS = 1e-9
+
+def precision_class(precision: str | None) -> str | None:
+    """`half` for fp16/bf16, `full` for fp32/tf32, None when the job did not say."""
+    if precision in ("fp16", "bf16"):
+        return "half"
+    if precision in ("fp32", "tf32"):
+        return "full"
+    return None
+
+
+def job_env(job: Job) -> dict[str, str]:
+    """Environment the placement adds: fp32 jobs get TF32 switched off so they really run fp32."""
+    return {"NVIDIA_TF32_OVERRIDE": "0"} if job.spec.precision == "fp32" else {}
+
+
+@dataclass(slots=True)
+class _Client:
+    fraction: float  # compute it uses now: 0 while suspended in place
+    mem: int
+    uid: int
+    prec: str | None
+    share: float = 0.0  # compute it was given (what it takes back when it continues)
+
+
+@dataclass(slots=True)
+class DeviceUse:
+    """One device (whole GPU with MIG off, or MIG instance) and who is on it."""
+
+    uuid: str
+    gpu_index: int
+    kind: Literal["gpu", "mig"]
+    profile: str | None
+    compute_fraction: float  # of the physical GPU: 1.0, or instance SMs / GPU SMs
+    memory_mib: int
+    mode: str  # exclusive | mps | timeslice
+    numa: object  # NUMA node, else the CPU-affinity tuple, else None
+    max_clients: int
+    mps_owner: int | None = None  # uid of the idle MPS server the snapshot reports, if any
+    holder: int | None = None  # job id holding the device exclusively
+    holder_prec: str | None = None
+    clients: dict[int, _Client] = field(default_factory=dict)
+    used_fraction: float = 0.0
+    used_mem: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.holder is None and not self.clients
+
+    @property
+    def shared(self) -> bool:
+        return self.mode in ("mps", "timeslice")
+
+    def precs(self) -> set[str]:
+        out = {c.prec for c in self.clients.values() if c.prec is not None}
+        if self.holder_prec is not None:
+            out.add(self.holder_prec)
+        return out
+
+    def copy(self) -> DeviceUse:
+        return DeviceUse(
+            self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
+            self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
+            {k: _Client(c.fraction, c.mem, c.uid, c.prec, c.share) for k, c in self.clients.items()},
+            self.used_fraction, self.used_mem,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What a committed job holds, so release can undo it exactly."""
+
+    uuids: tuple[str, ...]
+    shared: bool
+
+
+def _mode(value: str | None) -> str:
+    return value if value in SHARE_MODES else "exclusive"
+
+
+def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: bool = False) -> bool:
+    if not d.shared or d.holder is not None:
+        return False
+    if d.used_fraction + fraction > 1 + _EPS or d.used_mem + mem > d.memory_mib:
+        return False
+    if len(d.clients) >= d.max_clients:
+        return False
+    return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
+
