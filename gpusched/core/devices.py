@@ -88,6 +88,14 @@ class _Held:
     shared: bool
 
 
+def pause_on(dev: DeviceUse, job_id: int) -> None:
+    """A share suspended in place, on one device: its compute is free, its memory and slot stay."""
+    client = dev.clients.get(job_id)
+    if client is not None and client.fraction > 0:
+        dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
+        client.fraction = 0.0
+
+
 def _mode(value: str | None) -> str:
     return value if value in SHARE_MODES else "exclusive"
 

@@ -25,7 +25,17 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
-from gpusched.core.devices import _EPS, MPS_MAX_CLIENTS, DeviceUse, _Client, _Held, _mode, _share_fits, precision_class
+from gpusched.core.devices import (
+    _EPS,
+    MPS_MAX_CLIENTS,
+    DeviceUse,
+    _Client,
+    _Held,
+    _mode,
+    _share_fits,
+    pause_on,
+    precision_class,
+)
 from gpusched.core.devices import SHARE_MODES as SHARE_MODES
 from gpusched.core.devices import ShareMode as ShareMode
 from gpusched.core.devices import job_env as job_env
@@ -43,6 +53,8 @@ from gpusched.model import (
 )
 
 Request = WholeRequest | MigRequest | ShareRequest
+# (job id, allocation, uid, precision, paused): one usage applied to a Cluster, see Cluster.applied
+Applied = tuple[int, Allocation, int, str | None, bool]
 
 
 class Cluster:
@@ -57,6 +69,12 @@ class Cluster:
         # place()'s answers until the next change: a pass asks the same question for every job of a
         # shape that fits but may not backfill, and for every shape that found no room.
         self._placed: dict[tuple[object, ...], Allocation | None] = {}
+        self._room: bool | None = None  # has_room() until the next change
+        # What usage was applied, in order: the snapshot's active jobs as adopted, then commits. With
+        # `dirty` (devices a release, pause or unpause touched) it lets cluster_sync bring this cluster
+        # to the next snapshot without a rebuild.
+        self.applied: list[Applied] = []
+        self.dirty: set[str] = set()
 
     @classmethod
     def build(
@@ -99,8 +117,11 @@ class Cluster:
         for job in active:
             if job.state in ACTIVE_STATES and job.allocation is not None:
                 self._adopt(job)
-                if job.id in yielded:
+                paused = job.id in yielded
+                if paused:
                     self.pause(job.id)
+                self.applied.append((job.id, job.allocation, job.uid, job.spec.precision, paused))
+        self.dirty.clear()
         return self
 
     def _add(self, dev: DeviceUse) -> None:
@@ -113,22 +134,24 @@ class Cluster:
         assert alloc is not None
         prec = precision_class(job.spec.precision)
         uuids = tuple(u for u in alloc.uuids if u in self.devices)
-        shared = alloc.share is not None
         for uuid in uuids:
-            dev = self.devices[uuid]
-            if shared:
-                mem = alloc.gpu_mem_mib or 0
-                dev.clients[job.id] = _Client(alloc.share or 0.0, mem, job.uid, prec, alloc.share or 0.0)
-                dev.used_fraction += alloc.share or 0.0
-                dev.used_mem += mem
-                if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
-                    self.overcommitted.add(uuid)
-            else:
-                if not dev.idle:
-                    self.overcommitted.add(uuid)
-                dev.holder = job.id
-                dev.holder_prec = prec
-        self.held[job.id] = _Held(uuids, shared)
+            self.adopt_on(self.devices[uuid], job.id, alloc, job.uid, prec)
+        self.held[job.id] = _Held(uuids, alloc.share is not None)
+
+    def adopt_on(self, dev: DeviceUse, job_id: int, alloc: Allocation, uid: int, prec: str | None) -> None:
+        """One device's part of `_adopt` (cluster_sync replays it per device, in the same order)."""
+        if alloc.share is not None:
+            mem = alloc.gpu_mem_mib or 0
+            dev.clients[job_id] = _Client(alloc.share or 0.0, mem, uid, prec, alloc.share or 0.0)
+            dev.used_fraction += alloc.share or 0.0
+            dev.used_mem += mem
+            if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
+                self.overcommitted.add(dev.uuid)
+        else:
+            if not dev.idle:
+                self.overcommitted.add(dev.uuid)
+            dev.holder = job_id
+            dev.holder_prec = prec
 
     def copy(self) -> Cluster:
         """An independent copy for what-if questions (reservations, preemption)."""
@@ -137,12 +160,14 @@ class Cluster:
         other.by_gpu = {g: list(us) for g, us in self.by_gpu.items()}
         other.held = dict(self.held)
         other.overcommitted = set(self.overcommitted)
+        other.applied = list(self.applied)
+        other.dirty = set(self.dirty)
         return other
 
     # ---- changes -------------------------------------------------------------------------
     def commit(self, job: Job, alloc: Allocation) -> None:
         """Record a new allocation made by `place`; raises if it would break an invariant."""
-        self._changed()
+        self._changed(grew=True)
         if job.id in self.held:
             raise ValueError(f"job {job.id} already holds devices")
         prec = precision_class(job.spec.precision)
@@ -163,6 +188,7 @@ class Cluster:
                 dev.holder = job.id
                 dev.holder_prec = prec
         self.held[job.id] = _Held(tuple(alloc.uuids), shared)
+        self.applied.append((job.id, alloc, job.uid, job.spec.precision, False))
 
     def release(self, job_id: int) -> None:
         """Free what a job holds (it ended, or a what-if says it will)."""
@@ -170,6 +196,7 @@ class Cluster:
         held = self.held.pop(job_id, None)
         if held is None:
             return
+        self.dirty.update(held.uuids)
         for uuid in held.uuids:
             dev = self.devices.get(uuid)
             if dev is None:
@@ -184,11 +211,20 @@ class Cluster:
                 if not dev.clients:
                     dev.used_fraction, dev.used_mem = 0.0, 0
 
-    def _changed(self) -> None:
-        """Usage changed: what was derived from it (fingerprint, placements) is stale."""
+    def _changed(self, *, grew: bool = False) -> None:
+        """Usage changed: what was derived from it (fingerprint, placements) is stale.
+
+        `grew`: usage was only added (a commit). A placement that found no room then still finds
+        none (every fit test only gets harder as devices fill up), so those answers are kept.
+        """
         self._fingerprint = None
+        self._room = None
         if self._placed:
-            self._placed = {}
+            self._placed = {k: a for k, a in self._placed.items() if a is None} if grew else {}
+
+    def invalidate(self) -> None:
+        """cluster_sync changed devices directly."""
+        self._changed()
 
     def devices_of(self, job_id: int) -> tuple[str, ...]:
         held = self.held.get(job_id)
@@ -201,12 +237,10 @@ class Cluster:
         held = self.held.get(job_id)
         if held is None or not held.shared:
             return False
+        self.dirty.update(held.uuids)
         for uuid in held.uuids:
-            client = self.devices[uuid].clients.get(job_id) if uuid in self.devices else None
-            if client is not None and client.fraction > 0:
-                dev = self.devices[uuid]
-                dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
-                client.fraction = 0.0
+            if uuid in self.devices:
+                pause_on(self.devices[uuid], job_id)
         return True
 
     def paused(self, job_id: int) -> bool:
@@ -225,6 +259,7 @@ class Cluster:
         if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
             return False
         self._changed()
+        self.dirty.update(held.uuids)
         for dev, c in clients:
             assert c is not None
             dev.used_fraction += c.share - c.fraction
@@ -253,6 +288,11 @@ class Cluster:
 
     def has_room(self) -> bool:
         """Cheap test used to stop a pass early: is any device idle or any share slot open?"""
+        if self._room is None:
+            self._room = self._compute_room()
+        return self._room
+
+    def _compute_room(self) -> bool:
         return any(d.idle or (d.shared and d.holder is None and d.used_fraction < 1 - _EPS
                               and len(d.clients) < d.max_clients and d.used_mem < d.memory_mib)
                    for d in self.devices.values())

@@ -150,6 +150,9 @@ class SchedulerCore:
     _times_preempted: dict[int, int]
     _head_id: int | None
     _cluster: Cluster | None
+    _live: Cluster | None
+    _live_gpus: tuple[Gpu, ...] | None
+    _live_shape: tuple[object, ...]
     _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
     _sigs: dict[int, tuple[object, ...]]
     _demand: InteractiveDemand

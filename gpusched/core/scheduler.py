@@ -117,6 +117,10 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
+        # The placement view kept from pass to pass (sched_sync._cluster_for), and what it was built for
+        self._live: Cluster | None = None
+        self._live_gpus: tuple[Gpu, ...] | None = None
+        self._live_shape: tuple[object, ...] = ()
         self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
         self._sigs: dict[int, tuple[object, ...]] = {}  # pending job -> _signature (passes ask many times)
         self._demand = InteractiveDemand(self.config.interactive_window_s)
@@ -212,9 +216,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self._to_fail = []
         self._track_idle(snapshot, now)
 
-        cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
-                                unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner,
-                                yielded=snapshot.yielded)
+        cluster = self._cluster_for(snapshot)
         actions.extend(self._resume_yielded(cluster, snapshot.yielded))
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
