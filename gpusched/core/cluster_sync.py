@@ -55,7 +55,7 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
         return False  # the jobs that stay were reordered: sums would be taken in another order
     touched &= devices.keys()
     for uuid in touched:
-        dev = devices[uuid]
+        dev = cluster.writable(uuid)
         dev.holder = None
         dev.holder_prec = None
         dev.clients = {}
@@ -73,7 +73,7 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
         if replay:
             prec = precision_class(precision)
             for uuid in replay:
-                dev = devices[uuid]
+                dev = cluster.writable(uuid)
                 cluster.adopt_on(dev, jid, alloc, uid, prec)
                 if paused and shared:
                     pause_on(dev, jid)

@@ -75,6 +75,10 @@ class Cluster:
         # to the next snapshot without a rebuild.
         self.applied: list[Applied] = []
         self.dirty: set[str] = set()
+        # Copy on write: after copy() both clusters share their DeviceUse objects, and each copies a
+        # device before it first changes it (a reservation's what-if touches a few devices of many).
+        # None: every device is this cluster's own.
+        self._owned: set[str] | None = None
 
     @classmethod
     def build(
@@ -135,7 +139,7 @@ class Cluster:
         prec = precision_class(job.spec.precision)
         uuids = tuple(u for u in alloc.uuids if u in self.devices)
         for uuid in uuids:
-            self.adopt_on(self.devices[uuid], job.id, alloc, job.uid, prec)
+            self.adopt_on(self.writable(uuid), job.id, alloc, job.uid, prec)
         self.held[job.id] = _Held(uuids, alloc.share is not None)
 
     def adopt_on(self, dev: DeviceUse, job_id: int, alloc: Allocation, uid: int, prec: str | None) -> None:
@@ -154,10 +158,13 @@ class Cluster:
             dev.holder_prec = prec
 
     def copy(self) -> Cluster:
-        """An independent copy for what-if questions (reservations, preemption)."""
+        """An independent copy for what-if questions (reservations, preemption); devices are
+        copied when either side first changes them."""
         other = Cluster()
-        other.devices = {u: d.copy() for u, d in self.devices.items()}
-        other.by_gpu = {g: list(us) for g, us in self.by_gpu.items()}
+        other.devices = dict(self.devices)
+        other.by_gpu = self.by_gpu  # fixed once built
+        other._owned = set()
+        self._owned = set()
         other.held = dict(self.held)
         other.overcommitted = set(self.overcommitted)
         other.applied = list(self.applied)
@@ -173,7 +180,7 @@ class Cluster:
         prec = precision_class(job.spec.precision)
         shared = alloc.share is not None
         for uuid in alloc.uuids:
-            dev = self.devices[uuid]
+            dev = self.writable(uuid)
             if shared:
                 share = alloc.share or 0.0
                 mem = alloc.gpu_mem_mib or 0
@@ -198,9 +205,9 @@ class Cluster:
             return
         self.dirty.update(held.uuids)
         for uuid in held.uuids:
-            dev = self.devices.get(uuid)
-            if dev is None:
+            if uuid not in self.devices:
                 continue
+            dev = self.writable(uuid)
             if dev.holder == job_id:
                 dev.holder = None
                 dev.holder_prec = None
@@ -210,6 +217,15 @@ class Cluster:
                 dev.used_mem = max(0, dev.used_mem - client.mem)
                 if not dev.clients:
                     dev.used_fraction, dev.used_mem = 0.0, 0
+
+    def writable(self, uuid: str) -> DeviceUse:
+        """The device, this cluster's own to change (copied first if a copy shares it)."""
+        owned = self._owned
+        if owned is None or uuid in owned:
+            return self.devices[uuid]
+        dev = self.devices[uuid] = self.devices[uuid].copy()
+        owned.add(uuid)
+        return dev
 
     def _changed(self, *, grew: bool = False) -> None:
         """Usage changed: what was derived from it (fingerprint, placements) is stale.
@@ -240,7 +256,7 @@ class Cluster:
         self.dirty.update(held.uuids)
         for uuid in held.uuids:
             if uuid in self.devices:
-                pause_on(self.devices[uuid], job_id)
+                pause_on(self.writable(uuid), job_id)
         return True
 
     def paused(self, job_id: int) -> bool:
@@ -260,10 +276,12 @@ class Cluster:
             return False
         self._changed()
         self.dirty.update(held.uuids)
-        for dev, c in clients:
-            assert c is not None
-            dev.used_fraction += c.share - c.fraction
-            c.fraction = c.share
+        for uuid in held.uuids:
+            if uuid in self.devices:
+                dev = self.writable(uuid)
+                c = dev.clients[job_id]
+                dev.used_fraction += c.share - c.fraction
+                c.fraction = c.share
         return True
 
     def fingerprint(self) -> tuple[object, ...]:

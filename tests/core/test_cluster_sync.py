@@ -106,14 +106,23 @@ def test_synced_cluster_equals_a_fresh_build(seq: list[tuple[str, int, int, bool
     active: dict[int, Job] = {}
     yielded: set[int] = set()
     live = Cluster.build(GPUS, [], share_modes=MODES)
+    what_if: tuple[Cluster, object] | None = None
     for n, step in enumerate(seq):
         _apply(live, active, yielded, step, 100 + n)
+        if what_if is not None:  # copies share devices until one side writes: the live side's
+            assert state(what_if[0]) == what_if[1]  # changes since must not show in the copy
         snapshot = tuple(active.values())
         fresh = Cluster.build(GPUS, snapshot, share_modes=MODES, yielded=frozenset(yielded))
         if not sync(live, snapshot, frozenset(yielded)):
             live = Cluster.build(GPUS, snapshot, share_modes=MODES, yielded=frozenset(yielded))
         assert state(live) == state(fresh)
         assert live.violations() == fresh.violations()
+        # a reservation's what-if: release the first jobs on a copy; the live view must not see it
+        probe = live.copy()
+        for jid in list(probe.held)[: 1 + n % 3]:
+            probe.release(jid)
+        assert state(live) == state(fresh)
+        what_if = (probe, state(probe))
 
 
 def test_sync_with_nothing_changed_keeps_the_memos() -> None:
