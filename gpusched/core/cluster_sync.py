@@ -80,7 +80,7 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
     cluster.held = held
     cluster.applied = now
     cluster.dirty = set()
-    cluster.invalidate()
+    cluster.invalidate(touched)
     return True
 
 

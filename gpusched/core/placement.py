@@ -21,7 +21,7 @@ Rules, in order of preference (each a tie-breaker for the one before):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
@@ -39,6 +39,7 @@ from gpusched.core.devices import (
 from gpusched.core.devices import SHARE_MODES as SHARE_MODES
 from gpusched.core.devices import ShareMode as ShareMode
 from gpusched.core.devices import job_env as job_env
+from gpusched.core.place_memo import PlaceMemo
 from gpusched.core.satisfiable import offered_profiles as offered_profiles
 from gpusched.core.satisfiable import unsatisfiable_reason as unsatisfiable_reason
 from gpusched.gpu.backend import Gpu
@@ -66,9 +67,7 @@ class Cluster:
         self.held: dict[int, _Held] = {}
         self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
         self._fingerprint: tuple[object, ...] | None = None  # until the next change
-        # place()'s answers until the next change: a pass asks the same question for every job of a
-        # shape that fits but may not backfill, and for every shape that found no room.
-        self._placed: dict[tuple[object, ...], Allocation | None] = {}
+        self._memo = PlaceMemo()  # place()'s answers while they hold (place_memo.py)
         self._room: bool | None = None  # has_room() until the next change
         # What usage was applied, in order: the snapshot's active jobs as adopted, then commits. With
         # `dirty` (devices a release, pause or unpause touched) it lets cluster_sync bring this cluster
@@ -199,10 +198,10 @@ class Cluster:
 
     def release(self, job_id: int) -> None:
         """Free what a job holds (it ended, or a what-if says it will)."""
-        self._changed()
         held = self.held.pop(job_id, None)
         if held is None:
             return
+        self._changed(freed=held.uuids)
         self.dirty.update(held.uuids)
         for uuid in held.uuids:
             if uuid not in self.devices:
@@ -227,20 +226,22 @@ class Cluster:
         owned.add(uuid)
         return dev
 
-    def _changed(self, *, grew: bool = False) -> None:
+    def _changed(self, *, grew: bool = False, freed: Iterable[str] | None = None) -> None:
         """Usage changed: what was derived from it (fingerprint, placements) is stale.
 
-        `grew`: usage was only added (a commit). A placement that found no room then still finds
-        none (every fit test only gets harder as devices fill up), so those answers are kept.
+        `grew`: usage was only added; else `freed` names the devices whose usage may have dropped
+        (None: any). The placement memo keeps what still holds (place_memo.py).
         """
         self._fingerprint = None
         self._room = None
-        if self._placed:
-            self._placed = {k: a for k, a in self._placed.items() if a is None} if grew else {}
+        if grew:
+            self._memo.grew()
+        else:
+            self._memo.freed(freed)
 
-    def invalidate(self) -> None:
-        """cluster_sync changed devices directly."""
-        self._changed()
+    def invalidate(self, devices: Iterable[str] | None = None) -> None:
+        """cluster_sync changed these devices directly (None: any)."""
+        self._changed(freed=devices)
 
     def devices_of(self, job_id: int) -> tuple[str, ...]:
         held = self.held.get(job_id)
@@ -249,10 +250,11 @@ class Cluster:
     def pause(self, job_id: int) -> bool:
         """A share suspended in place: its compute is free, its memory and slot stay. False if the
         job holds no share here."""
-        self._changed()
         held = self.held.get(job_id)
         if held is None or not held.shared:
+            self._changed(freed=())
             return False
+        self._changed(freed=held.uuids)
         self.dirty.update(held.uuids)
         for uuid in held.uuids:
             if uuid in self.devices:
@@ -274,7 +276,7 @@ class Cluster:
         clients = [(self.devices[u], self.devices[u].clients.get(job_id)) for u in held.uuids if u in self.devices]
         if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
             return False
-        self._changed()
+        self._changed(grew=True)
         self.dirty.update(held.uuids)
         for uuid in held.uuids:
             if uuid in self.devices:
@@ -335,14 +337,20 @@ class Cluster:
                 key = ("m", req.profile, job.spec.precision, forbidden)
             else:
                 key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
-            if key in self._placed:
-                return self._placed[key]
-        alloc = self._place(job, req, forbidden, mps_any_uid)
-        if key is not None:
-            self._placed[key] = alloc
-        return alloc
+            memo = self._memo
+            if key in memo.answers:
+                return memo.answers[key]
+            freed = memo.stale.pop(key, None)
+            if freed is not None and not (isinstance(req, WholeRequest) and req.gpus > 1):
+                # it found no room before and only these devices have room they did not have then
+                alloc = self._place(job, req, _Outside(forbidden, freed), mps_any_uid)
+            else:
+                alloc = self._place(job, req, forbidden, mps_any_uid)
+            memo.answers[key] = alloc
+            return alloc
+        return self._place(job, req, forbidden, mps_any_uid)
 
-    def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool) -> Allocation | None:
+    def _place(self, job: Job, req: Request, forbidden: Container[str], mps_any_uid: bool) -> Allocation | None:
         prec = precision_class(job.spec.precision)
         env = job_env(job)
         if isinstance(req, WholeRequest):
@@ -374,7 +382,7 @@ class Cluster:
         return sum(self.devices[u].compute_fraction for u in self.by_gpu.get(gpu_index, ())
                    if self.devices[u].idle)
 
-    def _pick_whole(self, n: int, forbidden: AbstractSet[str]) -> list[DeviceUse] | None:
+    def _pick_whole(self, n: int, forbidden: Container[str]) -> list[DeviceUse] | None:
         free = [d for d in self.devices.values() if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
         if len(free) < n:
             return None
@@ -396,7 +404,7 @@ class Cluster:
                 break
         return out
 
-    def _pick_mig(self, profile: str, prec: str | None, forbidden: AbstractSet[str]) -> DeviceUse | None:
+    def _pick_mig(self, profile: str, prec: str | None, forbidden: Container[str]) -> DeviceUse | None:
         cands = [d for d in self.devices.values()
                  if d.kind == "mig" and d.profile == profile and d.idle and d.uuid not in forbidden]
         if not cands:
@@ -405,7 +413,7 @@ class Cluster:
                                          self._gpu_idle_fraction(d.gpu_index), d.gpu_index, d.uuid))
 
     def _pick_share(
-        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: AbstractSet[str],
+        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: Container[str],
         any_uid: bool = False,
     ) -> DeviceUse | None:
         best: DeviceUse | None = None
@@ -457,3 +465,14 @@ def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, 
                                                       "share": share, "gpu_mem_mib": gpu_mem_mib, "env": env})
 
 
+class _Outside:
+    """Devices a placement may not use: the forbidden ones and all but `only`."""
+
+    __slots__ = ("forbidden", "only")
+
+    def __init__(self, forbidden: Container[str], only: Container[str]) -> None:
+        self.forbidden = forbidden
+        self.only = only
+
+    def __contains__(self, uuid: object) -> bool:
+        return uuid in self.forbidden or uuid not in self.only
