@@ -18,17 +18,19 @@ from collections.abc import Iterable
 from gpusched.model import Allocation
 
 Key = tuple[object, ...]
-_STALE_MAX = 1024  # failures waiting to be asked again; past this they are forgotten (asked afresh)
+_LOG_MAX = 64  # frees remembered; past this, failures waiting to be asked again are forgotten (asked afresh)
 
 
 class PlaceMemo:
     """Placement answers by question (see Cluster.place for what a key holds)."""
 
-    __slots__ = ("answers", "stale")
+    __slots__ = ("answers", "log", "stale")
 
     def __init__(self) -> None:
         self.answers: dict[Key, Allocation | None] = {}
-        self.stale: dict[Key, set[str]] = {}  # failed question -> devices freed since it failed
+        # failed question -> index in `log` from which on the frees since it failed are
+        self.stale: dict[Key, int] = {}
+        self.log: list[frozenset[str]] = []  # the devices of each free, oldest first
 
     def grew(self) -> None:
         """Usage was only added: failures hold, answers that found room may not."""
@@ -37,15 +39,23 @@ class PlaceMemo:
 
     def freed(self, uuids: Iterable[str] | None) -> None:
         """Usage may have dropped on these devices (None: anywhere, forget everything)."""
-        if uuids is None:
-            self.answers, self.stale = {}, {}
-            return
-        devices = set(uuids)
-        for since in self.stale.values():
-            since |= devices
+        if uuids is None or len(self.log) >= _LOG_MAX:
+            self.stale, self.log = {}, []
+            if uuids is None:
+                self.answers = {}
+                return
+        epoch = len(self.log)
         for key, answer in self.answers.items():
             if answer is None:
-                self.stale[key] = set(devices)
+                self.stale[key] = epoch
         self.answers = {}
-        if len(self.stale) > _STALE_MAX:
-            self.stale = {}
+        self.log.append(frozenset(uuids))
+
+    def freed_since(self, key: Key) -> frozenset[str] | None:
+        """For a question that failed before the last frees: the devices freed since (None if it
+        is not such a question). Forgets it: the caller asks again and records the answer."""
+        epoch = self.stale.pop(key, None)
+        if epoch is None:
+            return None
+        log = self.log
+        return log[epoch] if epoch == len(log) - 1 else frozenset().union(*log[epoch:])

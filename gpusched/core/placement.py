@@ -21,7 +21,7 @@ Rules, in order of preference (each a tie-breaker for the one before):
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
@@ -64,6 +64,7 @@ class Cluster:
     def __init__(self) -> None:
         self.devices: dict[str, DeviceUse] = {}
         self.by_gpu: dict[int, list[str]] = {}
+        self._index: dict[str, int] = {}  # device -> its place in `devices` (fixed once built)
         self.held: dict[int, _Held] = {}
         self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
         self._fingerprint: tuple[object, ...] | None = None  # until the next change
@@ -128,6 +129,7 @@ class Cluster:
         return self
 
     def _add(self, dev: DeviceUse) -> None:
+        self._index[dev.uuid] = len(self.devices)
         self.devices[dev.uuid] = dev
         self.by_gpu.setdefault(dev.gpu_index, []).append(dev.uuid)
 
@@ -162,6 +164,7 @@ class Cluster:
         other = Cluster()
         other.devices = dict(self.devices)
         other.by_gpu = self.by_gpu  # fixed once built
+        other._index = self._index
         other._owned = set()
         self._owned = set()
         other.held = dict(self.held)
@@ -340,30 +343,37 @@ class Cluster:
             memo = self._memo
             if key in memo.answers:
                 return memo.answers[key]
-            freed = memo.stale.pop(key, None)
+            freed = memo.freed_since(key)
             if freed is not None and not (isinstance(req, WholeRequest) and req.gpus > 1):
                 # it found no room before and only these devices have room they did not have then
-                alloc = self._place(job, req, _Outside(forbidden, freed), mps_any_uid)
+                # (the pickers' choice does not depend on the order they see devices in: every
+                # key ends in a unique index or uuid; the devices' order is kept all the same)
+                index = self._index
+                pool = [self.devices[u] for u in sorted((u for u in freed if u in index), key=index.__getitem__)]
+                alloc = self._place(job, req, forbidden, mps_any_uid, pool)
             else:
                 alloc = self._place(job, req, forbidden, mps_any_uid)
             memo.answers[key] = alloc
             return alloc
         return self._place(job, req, forbidden, mps_any_uid)
 
-    def _place(self, job: Job, req: Request, forbidden: Container[str], mps_any_uid: bool) -> Allocation | None:
+    def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool,
+               pool: Iterable[DeviceUse] | None = None) -> Allocation | None:
+        """The placement itself; `pool` limits the devices looked at (default: all)."""
         prec = precision_class(job.spec.precision)
         env = job_env(job)
+        devices = self.devices.values() if pool is None else pool
         if isinstance(req, WholeRequest):
-            devs = self._pick_whole(req.gpus, forbidden)
+            devs = self._pick_whole(devices, req.gpus, forbidden)
             if devs is None:
                 return None
             return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), env)
         if isinstance(req, MigRequest):
-            dev = self._pick_mig(req.profile, prec, forbidden)
+            dev = self._pick_mig(devices, req.profile, prec, forbidden)
             if dev is None:
                 return None
             return _allocation([_alloc_dev(dev)], dev.compute_fraction, env)
-        dev = self._pick_share(req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
+        dev = self._pick_share(devices, req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
         if dev is None:
             return None
         return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, env, share=req.fraction,
@@ -382,8 +392,8 @@ class Cluster:
         return sum(self.devices[u].compute_fraction for u in self.by_gpu.get(gpu_index, ())
                    if self.devices[u].idle)
 
-    def _pick_whole(self, n: int, forbidden: Container[str]) -> list[DeviceUse] | None:
-        free = [d for d in self.devices.values() if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
+    def _pick_whole(self, devices: Iterable[DeviceUse], n: int, forbidden: AbstractSet[str]) -> list[DeviceUse] | None:
+        free = [d for d in devices if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
         if len(free) < n:
             return None
         nodes: dict[object, list[DeviceUse]] = {}
@@ -404,8 +414,9 @@ class Cluster:
                 break
         return out
 
-    def _pick_mig(self, profile: str, prec: str | None, forbidden: Container[str]) -> DeviceUse | None:
-        cands = [d for d in self.devices.values()
+    def _pick_mig(self, devices: Iterable[DeviceUse], profile: str, prec: str | None,
+                  forbidden: AbstractSet[str]) -> DeviceUse | None:
+        cands = [d for d in devices
                  if d.kind == "mig" and d.profile == profile and d.idle and d.uuid not in forbidden]
         if not cands:
             return None
@@ -413,12 +424,12 @@ class Cluster:
                                          self._gpu_idle_fraction(d.gpu_index), d.gpu_index, d.uuid))
 
     def _pick_share(
-        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: Container[str],
-        any_uid: bool = False,
+        self, devices: Iterable[DeviceUse], fraction: float, mem: int, uid: int, prec: str | None,
+        forbidden: AbstractSet[str], any_uid: bool = False,
     ) -> DeviceUse | None:
         best: DeviceUse | None = None
         best_key: tuple[object, ...] = ()
-        for d in self.devices.values():
+        for d in devices:
             if not d.shared or d.uuid in forbidden or not _share_fits(d, fraction, mem, uid, any_uid=any_uid):
                 continue
             wrong = sum(1 for p in d.precs() if p != prec) if prec is not None else 0
@@ -464,15 +475,3 @@ def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, 
     return construct(Allocation, _ALLOCATION_FIELDS, {"devices": devices, "compute_fraction": fraction,
                                                       "share": share, "gpu_mem_mib": gpu_mem_mib, "env": env})
 
-
-class _Outside:
-    """Devices a placement may not use: the forbidden ones and all but `only`."""
-
-    __slots__ = ("forbidden", "only")
-
-    def __init__(self, forbidden: Container[str], only: Container[str]) -> None:
-        self.forbidden = forbidden
-        self.only = only
-
-    def __contains__(self, uuid: object) -> bool:
-        return uuid in self.forbidden or uuid not in self.only
