@@ -6,6 +6,7 @@ scheduler.py composes the parts (sched_sync, sched_mig, sched_preempt, sched_exp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -154,7 +155,7 @@ class SchedulerCore:
     _live_gpus: tuple[Gpu, ...] | None
     _live_shape: tuple[object, ...]
     _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
-    _sigs: dict[int, tuple[object, ...]]
+    _scan: dict[str, tuple[int, list[tuple[Job, tuple[object, ...]]]]]
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]
     _headroom: frozenset[str]
@@ -184,6 +185,18 @@ class SchedulerCore:
         any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
         return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
 
+    def _candidates(self, user: str, version: int, head_id: int) -> list[tuple[Job, tuple[object, ...]]]:
+        """The user's first `per_user_scan` pending jobs other than the head, with their signatures.
+
+        Backfill looks at the same few jobs of each user pass after pass: they are listed again only
+        when the user's queue changed (its version), not walked and re-signed every pass.
+        """
+        cached = self._scan.get(user)
+        if cached is None or cached[0] != version:
+            first = itertools.islice(self.queue.jobs_of(user), self.config.per_user_scan + 1)
+            cached = self._scan[user] = (version, [(job, _signature(job)) for job in first])
+        return [c for c in cached[1] if c[0].id != head_id][: self.config.per_user_scan]
+
     def _expected_end(self, rec: _Active, now: float) -> float:
         """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""
         return rec.started + self.estimator.expected_total(rec.job, rec.predicted, now - rec.started)
@@ -200,7 +213,9 @@ class SchedulerCore:
         """Keep FairShare's active set = users with work queued or running, and re-key the user."""
         if self.queue.has_user(user):
             self.queue.rekey(user)
-        elif self._running_jobs.get(user, 0) <= 0:
+            return
+        self._scan.pop(user, None)
+        if self._running_jobs.get(user, 0) <= 0:
             self.fair.deactivate(user)
 
     def _outstanding(self, user: str, delta: float) -> None:

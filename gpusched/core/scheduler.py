@@ -37,7 +37,7 @@ from gpusched.core.interactive import InteractiveDemand
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import LossBudget
 from gpusched.core.queue import RunQueue, request_fraction
-from gpusched.core.sched_core import SchedulerConfig, _Active, _Reservation, _signature, unsatisfiable_reason
+from gpusched.core.sched_core import SchedulerConfig, _Active, _Reservation, unsatisfiable_reason
 from gpusched.core.sched_explain import ExplainMixin
 from gpusched.core.sched_mig import MigMixin
 from gpusched.core.sched_preempt import PreemptionMixin
@@ -122,7 +122,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self._live_gpus: tuple[Gpu, ...] | None = None
         self._live_shape: tuple[object, ...] = ()
         self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
-        self._sigs: dict[int, tuple[object, ...]] = {}  # pending job -> _signature (passes ask many times)
+        # user -> (queue version, their first pending jobs with signatures): what backfill scans
+        self._scan: dict[str, tuple[int, list[tuple[Job, tuple[object, ...]]]]] = {}
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
@@ -191,7 +192,6 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
         job = self.queue.remove(job_id)
-        self._sigs.pop(job_id, None)
         self._interactive_pending.pop(job_id, None)
         self._pinned.pop(job_id, None)
         if self._head_id == job_id:
@@ -271,13 +271,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                 started = False
                 tried: set[object] = set()
                 wanted: list[str] = []
-                for k, job in enumerate(j for j in self.queue.jobs_of(user) if j.id != head.id):
-                    if k >= self.config.per_user_scan:
-                        break
+                for job, sig in self._candidates(user, version, head.id):
                     scanned += 1
-                    sig = self._sigs.get(job.id)
-                    if sig is None:
-                        sig = self._sigs[job.id] = _signature(job)
                     tried.add(sig)
                     alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
                     if alloc is None:
@@ -355,7 +350,6 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
-        self._sigs.pop(job.id, None)
         self._interactive_pending.pop(job.id, None)
         self._pinned.pop(job.id, None)
         if self._head_id == job.id:
