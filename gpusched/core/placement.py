@@ -68,7 +68,10 @@ class Cluster:
         self.held: dict[int, _Held] = {}
         self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
         self._fingerprint: tuple[object, ...] | None = None  # until the next change
-        self._memo = PlaceMemo()  # place()'s answers while they hold (place_memo.py)
+        # place()'s answers while they hold (place_memo.py); None on what-if copies, which change
+        # between almost every question they are asked
+        self._memo: PlaceMemo | None = PlaceMemo()
+        self._fp_parts: dict[str, tuple[object, ...]] = {}  # fingerprint per unchanged device
         self._room: bool | None = None  # has_room() until the next change
         # What usage was applied, in order: the snapshot's active jobs as adopted, then commits. With
         # `dirty` (devices a release, pause or unpause touched) it lets cluster_sync bring this cluster
@@ -162,6 +165,8 @@ class Cluster:
         """An independent copy for what-if questions (reservations, preemption); devices are
         copied when either side first changes them."""
         other = Cluster()
+        other._memo = None
+        other._fp_parts = dict(self._fp_parts)
         other.devices = dict(self.devices)
         other.by_gpu = self.by_gpu  # fixed once built
         other._index = self._index
@@ -222,6 +227,7 @@ class Cluster:
 
     def writable(self, uuid: str) -> DeviceUse:
         """The device, this cluster's own to change (copied first if a copy shares it)."""
+        self._fp_parts.pop(uuid, None)
         owned = self._owned
         if owned is None or uuid in owned:
             return self.devices[uuid]
@@ -237,6 +243,8 @@ class Cluster:
         """
         self._fingerprint = None
         self._room = None
+        if self._memo is None:
+            return
         if grew:
             self._memo.grew()
         else:
@@ -301,9 +309,16 @@ class Cluster:
         return self._fingerprint
 
     def _compute_fingerprint(self) -> tuple[object, ...]:
-        return tuple((d.uuid, d.holder is not None, len(d.clients), round(d.used_fraction, 9), d.used_mem,
-                      min((c.uid for c in d.clients.values()), default=-1) if d.mode == "mps" else 0,
-                      d.mps_owner) for d in self.devices.values())
+        parts = self._fp_parts  # devices change through writable(), which drops their part
+        out = []
+        for uuid, d in self.devices.items():
+            part = parts.get(uuid)
+            if part is None:
+                part = parts[uuid] = (
+                    d.uuid, d.holder is not None, len(d.clients), round(d.used_fraction, 9), d.used_mem,
+                    min((c.uid for c in d.clients.values()), default=-1) if d.mode == "mps" else 0, d.mps_owner)
+            out.append(part)
+        return tuple(out)
 
     def idle_whole(self) -> int:
         """Whole GPUs with nothing on them (for 'waiting for N whole GPUs (k idle now)')."""
@@ -333,14 +348,14 @@ class Cluster:
         # What the answer depends on: the request (and uid for shares), the precision (affinity
         # and env), the exclusions and the uid policy. Not the job's id: jobs of one shape share it.
         key: tuple[object, ...] | None = None
-        if isinstance(forbidden, frozenset):
+        memo = self._memo
+        if memo is not None and isinstance(forbidden, frozenset):
             if isinstance(req, WholeRequest):
                 key = ("g", req.gpus, job.spec.precision, forbidden)
             elif isinstance(req, MigRequest):
                 key = ("m", req.profile, job.spec.precision, forbidden)
             else:
                 key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
-            memo = self._memo
             if key in memo.answers:
                 return memo.answers[key]
             freed = memo.freed_since(key)

@@ -177,7 +177,9 @@ class SchedulerCore:
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
                claimed: frozenset[str] = frozenset()) -> Allocation | None:
         """Place with the pass's exclusions: interactive-only devices, instances the head claimed."""
-        forbidden = claimed if job.spec.job_class == "interactive" else reserved | claimed
+        # (a union only when there is something to add: the same set object keeps its hash cached,
+        # and placements are memoised by it)
+        forbidden = claimed if job.spec.job_class == "interactive" else (reserved | claimed if claimed else reserved)
         pinned = self._pinned.get(job.id)
         if pinned is not None:  # a checkpointed job resumes on the devices that hold its state
             forbidden = forbidden | (frozenset(cluster.devices) - pinned)
