@@ -21,7 +21,7 @@ Rules, in order of preference (each a tie-breaker for the one before):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
@@ -411,23 +411,35 @@ class Cluster:
         free = [d for d in devices if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
         if len(free) < n:
             return None
-        nodes: dict[object, list[DeviceUse]] = {}
-        for d in free:
-            nodes.setdefault(d.numa, []).append(d)
-        for devs in nodes.values():
-            devs.sort(key=lambda d: (d.shared, d.gpu_index))  # exclusive-mode devices first
-        fitting = [devs for devs in nodes.values() if len(devs) >= n]
-        if fitting:
-            # Best fit: the node with the fewest free GPUs that still has enough, then the fewest
-            # share-mode devices taken, then the lowest index (stable).
-            best = min(fitting, key=lambda devs: (len(devs), sum(d.shared for d in devs[:n]), devs[0].gpu_index))
-            return best[:n]
-        out: list[DeviceUse] = []
-        for devs in sorted(nodes.values(), key=lambda ds: (-len(ds), ds[0].gpu_index)):
-            out.extend(devs[: n - len(out)])
-            if len(out) == n:
-                break
-        return out
+        return _best_whole(free, n)
+
+    def whole_after_releases(self, n: int, forbidden: AbstractSet[str],
+                             order: Sequence[int]) -> tuple[int, list[DeviceUse]] | None:
+        """Releasing the jobs in `order` one by one: after which release (its index) do n whole GPUs
+        outside `forbidden` stand idle, and which would place() give then? None: never.
+
+        What a copy that releases job after job and asks place() each time answers, without the
+        copy: a GPU is idle once every job on it is released, and which GPUs place() picks depends
+        only on which are idle (a reservation for an n-GPU job waits for most of the node).
+        """
+        step = {jid: i for i, jid in enumerate(order)}
+        never = len(order)
+        when: list[tuple[int, DeviceUse]] = []
+        for d in self.devices.values():
+            if d.kind != "gpu" or d.uuid in forbidden:
+                continue
+            if d.idle:
+                when.append((-1, d))
+                continue
+            last = step.get(d.holder, never) if d.holder is not None else -1
+            for jid in d.clients:
+                last = max(last, step.get(jid, never))
+            if last < never:
+                when.append((last, d))
+        if len(when) < n:
+            return None
+        at = max(sorted(t for t, _ in when)[n - 1], 0)
+        return at, _best_whole([d for t, d in when if t <= at], n)
 
     def _pick_mig(self, devices: Iterable[DeviceUse], profile: str, prec: str | None,
                   forbidden: AbstractSet[str]) -> DeviceUse | None:
@@ -472,6 +484,27 @@ class Cluster:
             if len(d.clients) > d.max_clients:
                 out.append(f"{d.uuid}: more than {d.max_clients} clients")
         return out
+
+
+def _best_whole(free: list[DeviceUse], n: int) -> list[DeviceUse]:
+    """n of the free whole GPUs (at least n): all on one NUMA node when one has enough."""
+    nodes: dict[object, list[DeviceUse]] = {}
+    for d in free:
+        nodes.setdefault(d.numa, []).append(d)
+    for devs in nodes.values():
+        devs.sort(key=lambda d: (d.shared, d.gpu_index))  # exclusive-mode devices first
+    fitting = [devs for devs in nodes.values() if len(devs) >= n]
+    if fitting:
+        # Best fit: the node with the fewest free GPUs that still has enough, then the fewest
+        # share-mode devices taken, then the lowest index (stable).
+        best = min(fitting, key=lambda devs: (len(devs), sum(d.shared for d in devs[:n]), devs[0].gpu_index))
+        return best[:n]
+    out: list[DeviceUse] = []
+    for devs in sorted(nodes.values(), key=lambda ds: (-len(ds), ds[0].gpu_index)):
+        out.extend(devs[: n - len(out)])
+        if len(out) == n:
+            break
+    return out
 
 
 _DEVICE_FIELDS = fields_of(AllocatedDevice)

@@ -177,15 +177,21 @@ class SchedulerCore:
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
                claimed: frozenset[str] = frozenset()) -> Allocation | None:
         """Place with the pass's exclusions: interactive-only devices, instances the head claimed."""
+        forbidden = self._forbidden(cluster, job, reserved, claimed)
+        across = self.config.mps_across_users
+        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
+        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
+
+    def _forbidden(self, cluster: Cluster, job: Job, reserved: frozenset[str],
+                   claimed: frozenset[str] = frozenset()) -> frozenset[str]:
+        """The devices `_place` keeps the job off."""
         # (a union only when there is something to add: the same set object keeps its hash cached,
         # and placements are memoised by it)
         forbidden = claimed if job.spec.job_class == "interactive" else (reserved | claimed if claimed else reserved)
         pinned = self._pinned.get(job.id)
         if pinned is not None:  # a checkpointed job resumes on the devices that hold its state
             forbidden = forbidden | (frozenset(cluster.devices) - pinned)
-        across = self.config.mps_across_users
-        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
-        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
+        return forbidden
 
     def _candidates(self, user: str, version: int, head_id: int) -> list[tuple[Job, tuple[object, ...]]]:
         """The user's first `per_user_scan` pending jobs other than the head, with their signatures.

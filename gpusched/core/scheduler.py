@@ -394,8 +394,12 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                        ends: list[tuple[float, int]]) -> tuple[int | None, frozenset[str]]:
         """(index in `ends` of the release after which the head fits, the devices it gets), or
         (None, empty) if no release helps."""
-        sim = cluster.copy()
         need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
+        if need_whole > 1:  # the same answer as the loop below, read off who holds each GPU
+            found = cluster.whole_after_releases(need_whole, self._forbidden(cluster, job, reserved),
+                                                 [jid for _, jid in ends])
+            return (found[0], frozenset(d.uuid for d in found[1])) if found is not None else (None, frozenset())
+        sim = cluster.copy()
         # A one-device request that does not fit now can fit only on a device a release touched:
         # try those alone (a 1g job, once 30 jobs end one by one, is 30 small placements, not 30 full ones).
         single = need_whole <= 1
