@@ -3,7 +3,8 @@ submission).
 
 Two levels because fairness is between users, not jobs: a user with 10,000 queued jobs is one
 entry in the user order, so the cost of a pick depends on the number of users with work, not on
-the number of jobs. Submit, remove and re-key are O(log n) on sortedcontainers.
+the number of jobs. Submit and remove are O(log n) on sortedcontainers; re-keying a user is a bisect
+in the user order (a plain list: users number in the hundreds).
 
 Picking follows EEVDF: among *eligible* users (fairshare.is_eligible) the earliest virtual
 deadline; if no waiting user is eligible (the owed users are all running), the earliest deadline
@@ -20,6 +21,7 @@ shift under it while it waits.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -77,7 +79,9 @@ class RunQueue:
         self._jobs: dict[int, Job] = {}
         self._keys: dict[int, JobKey] = {}
         self._users: dict[str, _UserQueue] = {}
-        self._order: SortedList = SortedList()  # of UserKey
+        # Users by key, a plain sorted list: users with work number in the hundreds, where bisect and
+        # a memmove beat SortedList's bookkeeping (a pass re-keys a few users and scans from the front).
+        self._order: list[UserKey] = []
         self._parked: set[str] = set()
         self._versions: dict[str, int] = {}  # user -> bumped whenever their pending jobs change
 
@@ -137,7 +141,7 @@ class RunQueue:
         self._versions[job.user] = self._versions.get(job.user, 0) + 1
         if not uq.jobs:
             if uq.key is not None:
-                self._order.remove(uq.key)
+                self._unorder(uq.key)
             del self._users[job.user]
             self._parked.discard(job.user)
             self._offsets.pop(job.user, None)
@@ -197,12 +201,19 @@ class RunQueue:
         if uq is None:
             return
         if uq.key is not None:
-            self._order.remove(uq.key)
+            self._unorder(uq.key)
             uq.key = None
         if not self.fair.is_active(user):
             self.fair.activate(user, self._jobs[uq.jobs[0][3]].uid)
         uq.key = (self.deadline_of(user), user)
-        self._order.add(uq.key)
+        bisect.insort(self._order, uq.key)
+
+    def _unorder(self, key: UserKey) -> None:
+        order = self._order
+        i = bisect.bisect_left(order, key)
+        if i == len(order) or order[i] != key:
+            raise ValueError(f"{key!r} not in the user order")
+        del order[i]
 
     def pick(self) -> str | None:
         """The user to serve next: earliest deadline among eligible users, else earliest overall.

@@ -85,6 +85,8 @@ class SyncMixin(SchedulerCore):
 
     def _track_idle(self, snapshot: Snapshot, now: float) -> None:
         """Remember since when each MIG instance has been idle (hysteresis for destroying it)."""
+        if not snapshot.dynamic and not self._idle_since and not any(g.instances for g in snapshot.gpus):
+            return  # no instances and no dynamic GPUs: nothing to time (skips collecting busy devices)
         busy = busy_uuids(snapshot.active)
         present: set[str] = set()
         for gpu in snapshot.gpus:
