@@ -46,6 +46,10 @@ def unsatisfiable_reason(
     return _unsatisfiable_reason(request, gpus, share_modes, dynamic, mode_toggle)
 
 
+Candidate = tuple[Job, tuple[object, ...]]  # a pending job and its _signature
+ScanEntry = tuple[int, list[Candidate], frozenset[int], list[Candidate]]
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Policy knobs as plain data; the daemon builds this from its TOML (`[fairness]`, `[scheduler]`, `[mig]`)."""
@@ -155,7 +159,8 @@ class SchedulerCore:
     _live_gpus: tuple[Gpu, ...] | None
     _live_shape: tuple[object, ...]
     _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
-    _scan: dict[str, tuple[int, list[tuple[Job, tuple[object, ...]]]]]
+    # user -> (queue version, first per_user_scan jobs, ids of the first per_user_scan + 1, those jobs)
+    _scan: dict[str, ScanEntry]
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]
     _headroom: frozenset[str]
@@ -193,7 +198,7 @@ class SchedulerCore:
             forbidden = forbidden | (frozenset(cluster.devices) - pinned)
         return forbidden
 
-    def _candidates(self, user: str, version: int, head_id: int) -> list[tuple[Job, tuple[object, ...]]]:
+    def _candidates(self, user: str, version: int, head_id: int) -> list[Candidate]:
         """The user's first `per_user_scan` pending jobs other than the head, with their signatures.
 
         Backfill looks at the same few jobs of each user pass after pass: they are listed again only
@@ -201,9 +206,12 @@ class SchedulerCore:
         """
         cached = self._scan.get(user)
         if cached is None or cached[0] != version:
-            first = itertools.islice(self.queue.jobs_of(user), self.config.per_user_scan + 1)
-            cached = self._scan[user] = (version, [(job, _signature(job)) for job in first])
-        return [c for c in cached[1] if c[0].id != head_id][: self.config.per_user_scan]
+            n = self.config.per_user_scan
+            first = [(job, _signature(job)) for job in itertools.islice(self.queue.jobs_of(user), n + 1)]
+            cached = self._scan[user] = (version, first[:n], frozenset(job.id for job, _ in first), first)
+        if head_id not in cached[2]:
+            return cached[1]
+        return [c for c in cached[3] if c[0].id != head_id][: self.config.per_user_scan]
 
     def _expected_end(self, rec: _Active, now: float) -> float:
         """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""

@@ -37,7 +37,13 @@ from gpusched.core.interactive import InteractiveDemand
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import LossBudget
 from gpusched.core.queue import RunQueue, request_fraction
-from gpusched.core.sched_core import SchedulerConfig, _Active, _Reservation, unsatisfiable_reason
+from gpusched.core.sched_core import (
+    ScanEntry,
+    SchedulerConfig,
+    _Active,
+    _Reservation,
+    unsatisfiable_reason,
+)
 from gpusched.core.sched_explain import ExplainMixin
 from gpusched.core.sched_mig import MigMixin
 from gpusched.core.sched_preempt import PreemptionMixin
@@ -122,8 +128,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self._live_gpus: tuple[Gpu, ...] | None = None
         self._live_shape: tuple[object, ...] = ()
         self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
-        # user -> (queue version, their first pending jobs with signatures): what backfill scans
-        self._scan: dict[str, tuple[int, list[tuple[Job, tuple[object, ...]]]]] = {}
+        # what backfill scans of each user, kept until their queue changes (sched_core._candidates)
+        self._scan: dict[str, ScanEntry] = {}
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
