@@ -28,8 +28,10 @@ def job_env(job: Job) -> dict[str, str]:
     return {"NVIDIA_TF32_OVERRIDE": "0"} if job.spec.precision == "fp32" else {}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Client:
+    """A share on a device. Frozen: pause and resume replace it, so copies of a device share clients."""
+
     fraction: float  # compute it uses now: 0 while suspended in place
     mem: int
     uid: int
@@ -75,7 +77,7 @@ class DeviceUse:
         return DeviceUse(
             self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
             self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
-            {k: _Client(c.fraction, c.mem, c.uid, c.prec, c.share) for k, c in self.clients.items()},
+            dict(self.clients),  # clients are replaced, never changed, so copies may share them
             self.used_fraction, self.used_mem,
         )
 
@@ -93,7 +95,7 @@ def pause_on(dev: DeviceUse, job_id: int) -> None:
     client = dev.clients.get(job_id)
     if client is not None and client.fraction > 0:
         dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
-        client.fraction = 0.0
+        dev.clients[job_id] = _Client(0.0, client.mem, client.uid, client.prec, client.share)
 
 
 def _mode(value: str | None) -> str:

@@ -294,7 +294,7 @@ class Cluster:
                 dev = self.writable(uuid)
                 c = dev.clients[job_id]
                 dev.used_fraction += c.share - c.fraction
-                c.fraction = c.share
+                dev.clients[job_id] = _Client(c.share, c.mem, c.uid, c.prec, c.share)
         return True
 
     def fingerprint(self) -> tuple[object, ...]:
