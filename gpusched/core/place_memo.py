@@ -13,7 +13,7 @@ kept until the usage changes; then:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gpusched.model import Allocation
 
@@ -37,18 +37,24 @@ class PlaceMemo:
         if self.answers:
             self.answers = {k: a for k, a in self.answers.items() if a is None}
 
-    def freed(self, uuids: Iterable[str] | None) -> None:
-        """Usage may have dropped on these devices (None: anywhere, forget everything)."""
+    def freed(self, uuids: Iterable[str] | None, helps: Callable[[Key], bool] | None = None) -> None:
+        """Usage may have dropped on these devices (None: anywhere, forget everything). `helps`
+        says which failed questions such devices could answer at all (default: every one): the
+        others keep their answer (a share never goes on a device that is not shared, say)."""
         if uuids is None or len(self.log) >= _LOG_MAX:
             self.stale, self.log = {}, []
             if uuids is None:
                 self.answers = {}
                 return
         epoch = len(self.log)
+        kept: dict[Key, Allocation | None] = {}
         for key, answer in self.answers.items():
             if answer is None:
-                self.stale[key] = epoch
-        self.answers = {}
+                if helps is None or helps(key):
+                    self.stale[key] = epoch
+                else:
+                    kept[key] = None
+        self.answers = kept
         self.log.append(frozenset(uuids))
 
     def freed_since(self, key: Key) -> frozenset[str] | None:

@@ -21,7 +21,7 @@ Rules, in order of preference (each a tie-breaker for the one before):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
@@ -247,8 +247,25 @@ class Cluster:
             return
         if grew:
             self._memo.grew()
+        elif freed is None:
+            self._memo.freed(None)
         else:
-            self._memo.freed(freed)
+            freed = tuple(freed)
+            self._memo.freed(freed, self._could_help(freed))
+
+    def _could_help(self, uuids: Iterable[str]) -> Callable[[tuple[object, ...]], bool]:
+        """Which placement questions (keys as in place()) devices freed here could answer: shares
+        need a shared device, whole requests a GPU with MIG off, MIG requests their profile."""
+        devices = [self.devices[u] for u in uuids if u in self.devices]
+        shared = any(d.shared for d in devices)
+        whole = any(d.kind == "gpu" for d in devices)
+        profiles = {d.profile for d in devices if d.kind == "mig"}
+
+        def helps(key: tuple[object, ...]) -> bool:
+            kind = key[0]
+            return (shared if kind == "s" else whole) if kind != "m" else key[1] in profiles
+
+        return helps
 
     def invalidate(self, devices: Iterable[str] | None = None) -> None:
         """cluster_sync changed these devices directly (None: any)."""
