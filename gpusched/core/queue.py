@@ -223,13 +223,14 @@ class RunQueue:
         """
         first: str | None = None
         parked = self._parked
+        eligible = self.fair.eligibility()
         for entry in self._order:
             user: str = entry[1]
             if user in parked:
                 continue
             if first is None:
                 first = user
-            if self.fair.is_eligible(user):
+            if eligible(user):
                 return user
         return first
 
