@@ -83,6 +83,7 @@ class RunQueue:
         # a memmove beat SortedList's bookkeeping (a pass re-keys a few users and scans from the front).
         self._order: list[UserKey] = []
         self._parked: set[str] = set()
+        self._skip = 0  # the first _skip entries of _order are parked (a pass parks users in order)
         self._versions: dict[str, int] = {}  # user -> bumped whenever their pending jobs change
 
     # ---- membership ----------------------------------------------------------------------
@@ -207,9 +208,11 @@ class RunQueue:
             self.fair.activate(user, self._jobs[uq.jobs[0][3]].uid)
         uq.key = (self.deadline_of(user), user)
         bisect.insort(self._order, uq.key)
+        self._skip = 0
 
     def _unorder(self, key: UserKey) -> None:
         order = self._order
+        self._skip = 0
         i = bisect.bisect_left(order, key)
         if i == len(order) or order[i] != key:
             raise ValueError(f"{key!r} not in the user order")
@@ -224,7 +227,12 @@ class RunQueue:
         first: str | None = None
         parked = self._parked
         eligible = self.fair.eligibility()
-        for entry in self._order:
+        order = self._order
+        skip = self._skip
+        while skip < len(order) and order[skip][1] in parked:
+            skip += 1
+        self._skip = skip
+        for entry in order[skip:] if skip else order:
             user: str = entry[1]
             if user in parked:
                 continue
@@ -242,6 +250,7 @@ class RunQueue:
     def unpark_all(self) -> None:
         """End of pass: every parked user is a candidate again."""
         self._parked = set()
+        self._skip = 0
 
     def ordered_jobs(self, limit: int | None = None) -> list[int]:
         """Pending job ids in the order they would be served if each started at once.
