@@ -283,10 +283,11 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                     alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
                     if alloc is None:
                         fails.add(sig)
-                        if isinstance(job.spec.request, MigRequest):
-                            wanted.append(job.spec.request.profile)
+                        if sig[0] == "m":  # a MIG request: ("m", profile, class), see _signature
+                            profile = str(sig[1])
+                            wanted.append(profile)
                             if len(mig_demand) < self.config.max_mig_demand:
-                                mig_demand.append(job.spec.request.profile)
+                                mig_demand.append(profile)
                         self._blocked[job.id] = None
                         continue
                     ok, why = self._backfill_ok(job, alloc, now)
@@ -322,7 +323,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
     def _observe_shape(self, snapshot: Snapshot) -> None:
         """Re-check satisfiability of everything pending when the node's shape changes."""
         seen = (snapshot.gpus, snapshot.share_modes, snapshot.dynamic)
-        if self._shape is not None and all(a is b for a, b in zip(seen, self._shape_seen, strict=True)):
+        last = self._shape_seen
+        if self._shape is not None and seen[0] is last[0] and seen[1] is last[1] and seen[2] is last[2]:
             return  # the very same objects as last pass (the engine reuses them until something changes)
         self._shape_seen = seen
         shape = (tuple((g.index, g.model, g.mig_enabled, g.memory_total_mib,
