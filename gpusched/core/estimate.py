@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
+_ZEROS = (0,) * 8  # the default version of each key (an estimate looks at five)
 _MEMO_MAX = 8192  # memoised estimates (and key tuples) kept before the memo is cleared
 
 
@@ -173,12 +174,13 @@ class RuntimeEstimator:
             self._job_keys[job.id] = keys
         memo_key = (keys, job.spec.time_limit_s)
         memo = self._memo.get(memo_key)
-        if memo is not None and memo[0] == tuple(self._versions.get(k, 0) for k in keys[: len(memo[0])]):
+        version = self._versions.get
+        if memo is not None and memo[0] == tuple(map(version, keys[: len(memo[0])], _ZEROS)):
             return memo[1]
         answer, depth = self._estimate(job, keys)
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
-        self._memo[memo_key] = (tuple(self._versions.get(k, 0) for k in keys[:depth]), answer)
+        self._memo[memo_key] = (tuple(map(version, keys[:depth], _ZEROS)), answer)
         return answer
 
     def _estimate(self, job: Job, keys: tuple[str, ...]) -> tuple[Estimate, int]:
