@@ -130,8 +130,11 @@ class RunQueue:
         if head_before is None or uq.jobs[0] != head_before:
             self.rekey(job.user)
 
-    def remove(self, job_id: int) -> Job | None:
-        """Drop a job (started, cancelled, held, failed). Returns it, or None if unknown."""
+    def remove(self, job_id: int, *, rekey: bool = True) -> Job | None:
+        """Drop a job (started, cancelled, held, failed). Returns it, or None if unknown.
+
+        `rekey=False`: the caller re-keys the user itself before the order is read again (a start
+        charges the user first, and one re-key then does for both)."""
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
@@ -146,7 +149,7 @@ class RunQueue:
             del self._users[job.user]
             self._parked.discard(job.user)
             self._offsets.pop(job.user, None)
-        elif was_head:
+        elif was_head and (rekey or not self.fair.is_active(job.user)):
             self.rekey(job.user)
         return job
 

@@ -363,7 +363,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         if self._head_id == job.id:
             self._head_id = None
         predicted = self.queue.expected_of(job)
-        self.queue.remove(job.id)
+        self.queue.remove(job.id, rekey=False)  # _sync_user below re-keys them, charged
         self._pending_since.pop(job.id, None)
         rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, alloc,
                       predicted)
