@@ -65,10 +65,16 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
     held: dict[int, _Held] = {}
     old_held = cluster.held
     for jid, alloc, uid, precision, paused in now:
-        uuids = tuple(u for u in alloc.uuids if u in devices)
-        shared = alloc.share is not None
         prev = old_held.get(jid)
-        held[jid] = prev if prev is not None and prev.uuids == uuids and prev.shared == shared else _Held(uuids, shared)
+        if prev is not None and jid in staying:  # the same allocation: what it holds is as it was
+            held[jid] = prev
+            uuids = prev.uuids
+        else:
+            uuids = tuple(u for u in alloc.uuids if u in devices)
+            held[jid] = _Held(uuids, alloc.share is not None)
+        if not touched:
+            continue
+        shared = alloc.share is not None
         replay = [u for u in uuids if u in touched]
         if replay:
             prec = precision_class(precision)
