@@ -73,6 +73,7 @@ class Cluster:
         self._memo: PlaceMemo | None = PlaceMemo()
         self._fp_parts: dict[str, tuple[object, ...]] = {}  # fingerprint per unchanged device
         self._room: bool | None = None  # has_room() until the next change
+        self._idle: int | None = None  # idle_whole() until the next change
         # What usage was applied, in order: the snapshot's active jobs as adopted, then commits. With
         # `dirty` (devices a release, pause or unpause touched) it lets cluster_sync bring this cluster
         # to the next snapshot without a rebuild.
@@ -243,6 +244,7 @@ class Cluster:
         """
         self._fingerprint = None
         self._room = None
+        self._idle = None
         if self._memo is None:
             return
         if grew:
@@ -339,7 +341,9 @@ class Cluster:
 
     def idle_whole(self) -> int:
         """Whole GPUs with nothing on them (for 'waiting for N whole GPUs (k idle now)')."""
-        return sum(1 for d in self.devices.values() if d.kind == "gpu" and d.idle)
+        if self._idle is None:
+            self._idle = sum(1 for d in self.devices.values() if d.kind == "gpu" and d.idle)
+        return self._idle
 
     def has_room(self) -> bool:
         """Cheap test used to stop a pass early: is any device idle or any share slot open?"""
@@ -396,6 +400,8 @@ class Cluster:
         env = job_env(job)
         devices = self.devices.values() if pool is None else pool
         if isinstance(req, WholeRequest):
+            if self.idle_whole() < req.gpus:
+                return None  # not enough idle GPUs, forbidden or not
             devs = self._pick_whole(devices, req.gpus, forbidden)
             if devs is None:
                 return None
