@@ -358,14 +358,17 @@ class Cluster:
 
     # ---- proposals -----------------------------------------------------------------------
     def place(self, job: Job, forbidden: AbstractSet[str] = frozenset(), *,
-              mps_any_uid: bool = False) -> Allocation | None:
+              mps_any_uid: bool = False, only: Iterable[str] | None = None) -> Allocation | None:
         """The best allocation for the job on what is free now, or None. Changes nothing.
 
-        `forbidden` devices are not considered (e.g. devices reserved for interactive jobs).
+        `forbidden` devices are not considered (e.g. devices reserved for interactive jobs), nor,
+        when `only` is given, any device outside it (the same as forbidding all the others).
         `mps_any_uid` lets a share join an MPS device where other users' servers run (it still
         prefers one of its own or an empty one).
         """
         req = job.spec.request
+        if only is not None:
+            return self._place(job, req, forbidden, mps_any_uid, self._pool(only))
         # What the answer depends on: the request (and uid for shares), the precision (affinity
         # and env), the exclusions and the uid policy. Not the job's id: jobs of one shape share it.
         key: tuple[object, ...] | None = None
@@ -384,14 +387,17 @@ class Cluster:
                 # it found no room before and only these devices have room they did not have then
                 # (the pickers' choice does not depend on the order they see devices in: every
                 # key ends in a unique index or uuid; the devices' order is kept all the same)
-                index = self._index
-                pool = [self.devices[u] for u in sorted((u for u in freed if u in index), key=index.__getitem__)]
-                alloc = self._place(job, req, forbidden, mps_any_uid, pool)
+                alloc = self._place(job, req, forbidden, mps_any_uid, self._pool(freed))
             else:
                 alloc = self._place(job, req, forbidden, mps_any_uid)
             memo.answers[key] = alloc
             return alloc
         return self._place(job, req, forbidden, mps_any_uid)
+
+    def _pool(self, uuids: Iterable[str]) -> list[DeviceUse]:
+        """These devices, in the cluster's order."""
+        index = self._index
+        return [self.devices[u] for u in sorted((u for u in uuids if u in index), key=index.__getitem__)]
 
     def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool,
                pool: Iterable[DeviceUse] | None = None) -> Allocation | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -180,12 +181,16 @@ class SchedulerCore:
         return self._fail_cache[req]
 
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
-               claimed: frozenset[str] = frozenset()) -> Allocation | None:
-        """Place with the pass's exclusions: interactive-only devices, instances the head claimed."""
+               claimed: frozenset[str] = frozenset(), only: AbstractSet[str] | None = None) -> Allocation | None:
+        """Place with the pass's exclusions: interactive-only devices, instances the head claimed.
+
+        `only` narrows the devices like `reserved` does (everything else counts as reserved), so an
+        interactive job, which may use reserved devices, ignores it too."""
         forbidden = self._forbidden(cluster, job, reserved, claimed)
+        interactive = job.spec.job_class == "interactive"
         across = self.config.mps_across_users
-        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
-        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
+        any_uid = across == "always" or (across == "interactive" and interactive)
+        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid, only=None if interactive else only)
 
     def _forbidden(self, cluster: Cluster, job: Job, reserved: frozenset[str],
                    claimed: frozenset[str] = frozenset()) -> frozenset[str]:

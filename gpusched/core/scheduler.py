@@ -410,16 +410,11 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         sim = cluster.copy()
         # A one-device request that does not fit now can fit only on a device a release touched:
         # try those alone (a 1g job, once 30 jobs end one by one, is 30 small placements, not 30 full ones).
-        single = need_whole <= 1
-        everything = frozenset(sim.devices)
         freed: set[str] = set()
         for index, (_, jid) in enumerate(ends):
-            if single:
-                freed.update(sim.devices_of(jid))
+            freed.update(sim.devices_of(jid))
             sim.release(jid)
-            if need_whole > 1 and sim.idle_whole() < need_whole:
-                continue  # cannot fit yet: skip the full placement
-            alloc = self._place(sim, job, reserved | (everything - freed) if single else reserved)
+            alloc = self._place(sim, job, reserved, only=freed)
             if alloc is not None:
                 return index, frozenset(alloc.uuids)
         return None, frozenset()

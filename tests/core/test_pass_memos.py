@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_core import Candidate, _signature
 from gpusched.core.scheduler import Scheduler, SchedulerConfig, Snapshot, _Reservation
-from gpusched.model import Job, JobState
+from gpusched.model import Job, JobState, WholeRequest
 
 from .helpers import Node, gpu, instance, job
 from .test_cluster_sync import state
@@ -47,6 +47,28 @@ class CheckedScheduler(Scheduler):
         assert (got.job_id, got.at, got.uuids, got.served_by_ends) == (
             fresh.job_id, fresh.at, fresh.uuids, fresh.served_by_ends)
         return got
+
+    def _reserve_fresh(self, cluster: Cluster, job: Job, reserved: frozenset[str],
+                       ends: list[tuple[float, int]]) -> tuple[int | None, frozenset[str]]:
+        got = super()._reserve_fresh(cluster, job, reserved, ends)
+        assert got == self._reference_reserve(cluster, job, reserved, ends)
+        return got
+
+    def _reference_reserve(self, cluster: Cluster, job: Job, reserved: frozenset[str],
+                           ends: list[tuple[float, int]]) -> tuple[int | None, frozenset[str]]:
+        """The plain computation: release job after job on a copy and ask after each release
+        (a one-device request only on the devices released so far, as reserved for the others)."""
+        sim = cluster.copy()
+        single = not isinstance(job.spec.request, WholeRequest) or job.spec.request.gpus <= 1
+        everything = frozenset(sim.devices)
+        freed: set[str] = set()
+        for index, (_, jid) in enumerate(ends):
+            freed.update(sim.devices_of(jid))
+            sim.release(jid)
+            alloc = self._place(sim, job, reserved | (everything - freed) if single else reserved)
+            if alloc is not None:
+                return index, frozenset(alloc.uuids)
+        return None, frozenset()
 
     def _candidates(self, user: str, version: int, head_id: int) -> list[Candidate]:
         got = super()._candidates(user, version, head_id)
