@@ -59,6 +59,7 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
         dev.holder = None
         dev.holder_prec = None
         dev.clients = {}
+        dev.uids = None
         dev.used_fraction = 0.0
         dev.used_mem = 0
         cluster.overcommitted.discard(uuid)

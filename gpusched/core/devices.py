@@ -58,6 +58,9 @@ class DeviceUse:
     clients: dict[int, _Client] = field(default_factory=dict)
     used_fraction: float = 0.0
     used_mem: int = 0
+    # the clients' uids until a client is added or removed (whoever does so resets it): the MPS
+    # uid rule asks it of every device, for every share placement
+    uids: frozenset[int] | None = None
 
     @property
     def idle(self) -> bool:
@@ -66,6 +69,13 @@ class DeviceUse:
     @property
     def shared(self) -> bool:
         return self.mode in ("mps", "timeslice")
+
+    def strangers(self, uid: int) -> bool:
+        """Is any client another user's?"""
+        uids = self.uids
+        if uids is None:
+            uids = self.uids = frozenset(c.uid for c in self.clients.values())
+        return len(uids) > 1 or (len(uids) == 1 and uid not in uids)
 
     def precs(self) -> set[str]:
         out = {c.prec for c in self.clients.values() if c.prec is not None}
@@ -78,7 +88,7 @@ class DeviceUse:
             self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
             self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
             dict(self.clients),  # clients are replaced, never changed, so copies may share them
-            self.used_fraction, self.used_mem,
+            self.used_fraction, self.used_mem, self.uids,
         )
 
 
@@ -109,5 +119,5 @@ def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: b
         return False
     if len(d.clients) >= d.max_clients:
         return False
-    return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
+    return any_uid or not (d.mode == "mps" and d.strangers(uid))
 

@@ -152,6 +152,7 @@ class Cluster:
         if alloc.share is not None:
             mem = alloc.gpu_mem_mib or 0
             dev.clients[job_id] = _Client(alloc.share or 0.0, mem, uid, prec, alloc.share or 0.0)
+            dev.uids = None
             dev.used_fraction += alloc.share or 0.0
             dev.used_mem += mem
             if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
@@ -195,6 +196,7 @@ class Cluster:
                 if not _share_fits(dev, share, mem, job.uid, any_uid=True):  # place() applied the uid policy
                     raise ValueError(f"share does not fit on {uuid}")
                 dev.clients[job.id] = _Client(share, mem, job.uid, prec, share)
+                dev.uids = None
                 dev.used_fraction += share
                 dev.used_mem += mem
             else:
@@ -220,6 +222,7 @@ class Cluster:
                 dev.holder = None
                 dev.holder_prec = None
             client = dev.clients.pop(job_id, None)
+            dev.uids = None
             if client is not None:
                 dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
                 dev.used_mem = max(0, dev.used_mem - client.mem)
@@ -492,7 +495,7 @@ class Cluster:
             owner_miss = 1 if (d.mode == "mps" and not d.clients and d.mps_owner is not None
                                and d.mps_owner != uid) else 0
             # Other users' MPS servers on it: they time-slice with ours, so only when nothing better.
-            strangers = 1 if d.mode == "mps" and any(c.uid != uid for c in d.clients.values()) else 0
+            strangers = 1 if d.mode == "mps" and d.strangers(uid) else 0
             key = (wrong, strangers, 1 if not d.clients else 0, owner_miss,
                    1 - d.used_fraction - fraction, d.memory_mib - d.used_mem - mem, d.gpu_index, d.uuid)
             if best is None or key < best_key:

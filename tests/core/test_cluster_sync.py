@@ -53,6 +53,8 @@ def state(c: Cluster, ask: bool = True) -> tuple[object, ...]:
                 [(k, x.fraction.hex(), x.mem, x.uid, x.prec, x.share.hex()) for k, x in d.clients.items()])
                for d in c.devices.values()]
     answers = [c.place(p, mps_any_uid=True) for p in PROBES] if ask else []
+    # the uids a device keeps for the MPS rule are its clients' (or not kept at all)
+    assert all(d.uids is None or d.uids == frozenset(x.uid for x in d.clients.values()) for d in c.devices.values())
     return (devices, sorted(c.held.items()), sorted(c.overcommitted), c.fingerprint(), c.has_room(),
             [a.model_dump() if a is not None else None for a in answers])
 
