@@ -405,8 +405,6 @@ class Cluster:
     def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool,
                pool: Iterable[DeviceUse] | None = None) -> Allocation | None:
         """The placement itself; `pool` limits the devices looked at (default: all)."""
-        prec = precision_class(job.spec.precision)
-        env = job_env(job)
         devices = self.devices.values() if pool is None else pool
         if isinstance(req, WholeRequest):
             if self.idle_whole() < req.gpus:
@@ -414,16 +412,17 @@ class Cluster:
             devs = self._pick_whole(devices, req.gpus, forbidden)
             if devs is None:
                 return None
-            return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), env)
+            return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), job_env(job))
+        prec = precision_class(job.spec.precision)
         if isinstance(req, MigRequest):
             dev = self._pick_mig(devices, req.profile, prec, forbidden)
             if dev is None:
                 return None
-            return _allocation([_alloc_dev(dev)], dev.compute_fraction, env)
+            return _allocation([_alloc_dev(dev)], dev.compute_fraction, job_env(job))
         dev = self._pick_share(devices, req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
         if dev is None:
             return None
-        return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, env, share=req.fraction,
+        return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, job_env(job), share=req.fraction,
                            gpu_mem_mib=req.gpu_mem_mib)
 
     def _gpu_penalty(self, gpu_index: int, prec: str | None) -> int:
