@@ -18,6 +18,7 @@ Operations (incremental mode, as the daemon should run it):
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -55,6 +56,9 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure(pending: int, users: int, reps: int) -> dict[str, float]:
+    # Start from a clean heap: the previous size's garbage (100k jobs) is otherwise collected by a
+    # full GC pass that lands inside whichever timed loop triggers it (one row read 60x too slow).
+    gc.collect()
     gpus = _gpus(8)
     sched = Scheduler(incremental=True)
     jobs = _jobs(pending + 64, users, seed=pending + users)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
+_ZEROS = (0,) * 8  # the default version of each key (an estimate looks at five)
 _MEMO_MAX = 8192  # memoised estimates (and key tuples) kept before the memo is cleared
 
 
@@ -108,10 +109,16 @@ class RuntimeEstimator:
         # the users' queues, so 100k queued jobs need no entry each here (a miss costs microseconds).
         self._key_tuples: dict[tuple[str, str, str], tuple[str, ...]] = {}
         self._job_keys: dict[int, tuple[str, ...]] = {}  # the jobs asked about lately (the heads, mostly)
+        # An answer depends only on the keys up to the one it was read from (the more specific ones
+        # were empty, the broader ones were not looked at): only their versions are kept, so the end
+        # of some other user's job (which moves the shape and global keys) leaves it valid.
         self._memo: dict[tuple[tuple[str, ...], float | None], tuple[tuple[int, ...], Estimate]] = {}
         # Commands with any history (live keys naming them). 100k queued jobs of a sweep are mostly
         # commands never seen: their estimate is their shape's, shared, with no per-command keys.
         self._cmds: dict[str, int] = {}
+        # Bumped whenever anything is learned: an unchanged revision means every estimate is as it
+        # was, which lets callers keep values derived from estimates (the queue's deadlines).
+        self.revision = 0
 
     def observe(self, job: Job, runtime_s: float) -> None:
         """A job ran `runtime_s` seconds and ended on its own (completed, failed, or hit its limit)."""
@@ -121,7 +128,10 @@ class RuntimeEstimator:
             self._remember(key, runtime_s)
 
     def _remember(self, key: str, runtime_s: float) -> None:
-        self._versions[key] = self._versions.get(key, 0) + 1
+        # A version is a stamp never given before (not a per-key count): a key dropped and learned
+        # again must not match a memo taken in its earlier life.
+        self.revision += 1
+        self._versions[key] = self.revision
         runs = self._runs.get(key)
         if runs is None:
             runs = deque(maxlen=self.config.history)
@@ -162,28 +172,31 @@ class RuntimeEstimator:
             if len(self._job_keys) >= _MEMO_MAX:
                 self._job_keys.clear()
             self._job_keys[job.id] = keys
-        versions = tuple(self._versions.get(k, 0) for k in keys)
         memo_key = (keys, job.spec.time_limit_s)
         memo = self._memo.get(memo_key)
-        if memo is not None and memo[0] == versions:
+        version = self._versions.get
+        if memo is not None and memo[0] == tuple(map(version, keys[: len(memo[0])], _ZEROS)):
             return memo[1]
-        answer = self._estimate(job, keys)
+        answer, depth = self._estimate(job, keys)
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
-        self._memo[memo_key] = (versions, answer)
+        self._memo[memo_key] = (tuple(map(version, keys[:depth], _ZEROS)), answer)
         return answer
 
-    def _estimate(self, job: Job, keys: tuple[str, ...]) -> Estimate:
+    def _estimate(self, job: Job, keys: tuple[str, ...]) -> tuple[Estimate, int]:
+        """The estimate, and how many of `keys` it depends on (up to the one that answered)."""
         limit = job.spec.time_limit_s
         value, source = self.config.default_runtime_s, "no history yet (the default)"
-        for key, key_source in zip(keys, _SOURCES, strict=True):
+        depth = len(keys)
+        for i, (key, key_source) in enumerate(zip(keys, _SOURCES, strict=True)):
             runs = self._runs.get(key)
             if runs:
                 value, source = sum(runs) / len(runs), key_source
+                depth = i + 1
                 break
         if limit is not None and limit < value:
-            return Estimate(float(limit), "its time limit")
-        return Estimate(value, source)
+            return Estimate(float(limit), "its time limit"), depth
+        return Estimate(value, source), depth
 
     def predict(self, job: Job) -> float:
         return self.estimate(job).seconds

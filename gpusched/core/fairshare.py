@@ -23,7 +23,7 @@ Pure: no clocks; callers pass service amounts and decide when to charge.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -183,6 +183,17 @@ class FairShare:
         if u is None or not u.active:
             return True  # a joiner lands at lag 0
         return u.v <= self.V() + 1e-9
+
+    def eligibility(self) -> Callable[[str], bool]:
+        """`is_eligible` with V read once: a pick asks it of user after user while nothing changes."""
+        bound = self.V() + 1e-9
+        users = self._users
+
+        def eligible(user: str) -> bool:
+            u = users.get(user)
+            return u is None or not u.active or u.v <= bound
+
+        return eligible
 
     def deadline(self, user: str, fraction: float, request_s: float) -> float:
         """Virtual deadline of the user's next request: v + fraction·request_s·100/w.

@@ -1,14 +1,9 @@
 """Fitting requests onto devices: whole GPUs, MIG instances and MPS / time-sliced shares.
 
-`Cluster` is the live usage of every schedulable device, built from a snapshot (GPUs + the
-allocations of active jobs). `place(job)` proposes an Allocation without changing anything;
-`commit` and `release` change the usage. The scheduler uses a copy of a Cluster to ask "when would
+`Cluster` is the live usage of every schedulable device (cluster.py: built from a snapshot, changed
+by `commit` and `release`, kept current between passes) plus the rules here: `place(job)` proposes
+an Allocation without changing anything. The scheduler uses a copy of a Cluster to ask "when would
 this job fit" (reservations) and "what if these jobs were preempted".
-
-Invariants `commit` keeps (and tests check): a device held exclusively holds nothing else; on a
-shared device Σ fraction <= 1, Σ gpu_mem <= device memory, clients <= the MPS client limit, and in
-`mps` mode each user's clients go to that user's own MPS server on the device (a share from another
-user is placed there only when the caller allows it, `mps_any_uid`: those servers time-slice).
 
 Rules, in order of preference (each a tie-breaker for the one before):
 - precision affinity: half (fp16/bf16) and full (fp32/tf32) jobs kept on different devices when
@@ -20,17 +15,19 @@ Rules, in order of preference (each a tie-breaker for the one before):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Literal
 
 from gpusched.construct import construct, fields_of
-from gpusched.gpu.backend import Gpu
-from gpusched.gpu.profiles import MODELS
+from gpusched.core.cluster import Applied as Applied
+from gpusched.core.cluster import ClusterState
+from gpusched.core.devices import SHARE_MODES as SHARE_MODES
+from gpusched.core.devices import DeviceUse, _share_fits, precision_class
+from gpusched.core.devices import ShareMode as ShareMode
+from gpusched.core.devices import job_env as job_env
+from gpusched.core.satisfiable import offered_profiles as offered_profiles
+from gpusched.core.satisfiable import unsatisfiable_reason as unsatisfiable_reason
 from gpusched.model import (
-    ACTIVE_STATES,
     AllocatedDevice,
     Allocation,
     Job,
@@ -39,317 +36,76 @@ from gpusched.model import (
     WholeRequest,
 )
 
-ShareMode = Literal["exclusive", "mps", "timeslice"]
-SHARE_MODES: tuple[str, ...] = ("exclusive", "mps", "timeslice")
-MPS_MAX_CLIENTS = 48  # Volta+ client contexts per device; lowered proportionally on MIG (reference §4)
-_EPS = 1e-9
-
 Request = WholeRequest | MigRequest | ShareRequest
 
 
-def precision_class(precision: str | None) -> str | None:
-    """`half` for fp16/bf16, `full` for fp32/tf32, None when the job did not say."""
-    if precision in ("fp16", "bf16"):
-        return "half"
-    if precision in ("fp32", "tf32"):
-        return "full"
-    return None
-
-
-def job_env(job: Job) -> dict[str, str]:
-    """Environment the placement adds: fp32 jobs get TF32 switched off so they really run fp32."""
-    return {"NVIDIA_TF32_OVERRIDE": "0"} if job.spec.precision == "fp32" else {}
-
-
-@dataclass(slots=True)
-class _Client:
-    fraction: float  # compute it uses now: 0 while suspended in place
-    mem: int
-    uid: int
-    prec: str | None
-    share: float = 0.0  # compute it was given (what it takes back when it continues)
-
-
-@dataclass(slots=True)
-class DeviceUse:
-    """One device (whole GPU with MIG off, or MIG instance) and who is on it."""
-
-    uuid: str
-    gpu_index: int
-    kind: Literal["gpu", "mig"]
-    profile: str | None
-    compute_fraction: float  # of the physical GPU: 1.0, or instance SMs / GPU SMs
-    memory_mib: int
-    mode: str  # exclusive | mps | timeslice
-    numa: object  # NUMA node, else the CPU-affinity tuple, else None
-    max_clients: int
-    mps_owner: int | None = None  # uid of the idle MPS server the snapshot reports, if any
-    holder: int | None = None  # job id holding the device exclusively
-    holder_prec: str | None = None
-    clients: dict[int, _Client] = field(default_factory=dict)
-    used_fraction: float = 0.0
-    used_mem: int = 0
-
-    @property
-    def idle(self) -> bool:
-        return self.holder is None and not self.clients
-
-    @property
-    def shared(self) -> bool:
-        return self.mode in ("mps", "timeslice")
-
-    def precs(self) -> set[str]:
-        out = {c.prec for c in self.clients.values() if c.prec is not None}
-        if self.holder_prec is not None:
-            out.add(self.holder_prec)
-        return out
-
-    def copy(self) -> DeviceUse:
-        return DeviceUse(
-            self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
-            self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
-            {k: _Client(c.fraction, c.mem, c.uid, c.prec, c.share) for k, c in self.clients.items()},
-            self.used_fraction, self.used_mem,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """What a committed job holds, so release can undo it exactly."""
-
-    uuids: tuple[str, ...]
-    shared: bool
-
-
-class Cluster:
-    """Live usage of all schedulable devices. Build once per pass from the snapshot."""
-
-    def __init__(self) -> None:
-        self.devices: dict[str, DeviceUse] = {}
-        self.by_gpu: dict[int, list[str]] = {}
-        self.held: dict[int, _Held] = {}
-        self.overcommitted: set[str] = set()  # devices the snapshot already shows over-full
-        self._fingerprint: tuple[object, ...] | None = None  # until the next change
-
-    @classmethod
-    def build(
-        cls,
-        gpus: Iterable[Gpu],
-        active: Iterable[Job],
-        *,
-        share_modes: Mapping[str, str] | None = None,
-        unschedulable: frozenset[str] = frozenset(),
-        mps_owner: Mapping[str, int] | None = None,
-        exclude: Iterable[str] = (),
-        yielded: AbstractSet[int] = frozenset(),
-    ) -> Cluster:
-        """Devices from the GPUs, then every active job's allocation committed onto them.
-
-        Devices in `unschedulable` or `exclude` (instances about to be destroyed) get no new jobs,
-        but jobs already on them still count wherever they are known. Shares in `yielded` (suspended
-        in place) hold their memory and slot but no compute.
-        """
-        self = cls()
-        modes = share_modes or {}
-        owners = mps_owner or {}
-        blocked = set(unschedulable) | set(exclude)
-        for gpu in gpus:
-            if gpu.uuid in unschedulable:
-                continue
-            numa: object = gpu.numa_node if gpu.numa_node is not None else (gpu.cpu_affinity or None)
-            if not gpu.mig_enabled:
-                self._add(DeviceUse(gpu.uuid, gpu.index, "gpu", None, 1.0, gpu.memory_total_mib,
-                                    _mode(modes.get(gpu.uuid)), numa, MPS_MAX_CLIENTS,
-                                    owners.get(gpu.uuid)))
-                continue
-            for inst in gpu.instances:
-                if inst.uuid in blocked:
-                    continue
-                frac = inst.sm_count / gpu.sm_count if gpu.sm_count else 0.0
-                clients = max(1, math.floor(MPS_MAX_CLIENTS * frac))
-                self._add(DeviceUse(inst.uuid, gpu.index, "mig", inst.profile, frac, inst.memory_mib,
-                                    _mode(modes.get(inst.uuid)), numa, clients, owners.get(inst.uuid)))
-        for job in active:
-            if job.state in ACTIVE_STATES and job.allocation is not None:
-                self._adopt(job)
-                if job.id in yielded:
-                    self.pause(job.id)
-        return self
-
-    def _add(self, dev: DeviceUse) -> None:
-        self.devices[dev.uuid] = dev
-        self.by_gpu.setdefault(dev.gpu_index, []).append(dev.uuid)
-
-    def _adopt(self, job: Job) -> None:
-        """Record an existing allocation as it is, even if it breaks the rules (report, don't drop)."""
-        alloc = job.allocation
-        assert alloc is not None
-        prec = precision_class(job.spec.precision)
-        uuids = tuple(u for u in alloc.uuids if u in self.devices)
-        shared = alloc.share is not None
-        for uuid in uuids:
-            dev = self.devices[uuid]
-            if shared:
-                mem = alloc.gpu_mem_mib or 0
-                dev.clients[job.id] = _Client(alloc.share or 0.0, mem, job.uid, prec, alloc.share or 0.0)
-                dev.used_fraction += alloc.share or 0.0
-                dev.used_mem += mem
-                if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
-                    self.overcommitted.add(uuid)
-            else:
-                if not dev.idle:
-                    self.overcommitted.add(uuid)
-                dev.holder = job.id
-                dev.holder_prec = prec
-        self.held[job.id] = _Held(uuids, shared)
-
-    def copy(self) -> Cluster:
-        """An independent copy for what-if questions (reservations, preemption)."""
-        other = Cluster()
-        other.devices = {u: d.copy() for u, d in self.devices.items()}
-        other.by_gpu = {g: list(us) for g, us in self.by_gpu.items()}
-        other.held = dict(self.held)
-        other.overcommitted = set(self.overcommitted)
-        return other
-
-    # ---- changes -------------------------------------------------------------------------
-    def commit(self, job: Job, alloc: Allocation) -> None:
-        """Record a new allocation made by `place`; raises if it would break an invariant."""
-        self._fingerprint = None
-        if job.id in self.held:
-            raise ValueError(f"job {job.id} already holds devices")
-        prec = precision_class(job.spec.precision)
-        shared = alloc.share is not None
-        for uuid in alloc.uuids:
-            dev = self.devices[uuid]
-            if shared:
-                share = alloc.share or 0.0
-                mem = alloc.gpu_mem_mib or 0
-                if not _share_fits(dev, share, mem, job.uid, any_uid=True):  # place() applied the uid policy
-                    raise ValueError(f"share does not fit on {uuid}")
-                dev.clients[job.id] = _Client(share, mem, job.uid, prec, share)
-                dev.used_fraction += share
-                dev.used_mem += mem
-            else:
-                if not dev.idle:
-                    raise ValueError(f"device {uuid} is not idle")
-                dev.holder = job.id
-                dev.holder_prec = prec
-        self.held[job.id] = _Held(tuple(alloc.uuids), shared)
-
-    def release(self, job_id: int) -> None:
-        """Free what a job holds (it ended, or a what-if says it will)."""
-        self._fingerprint = None
-        held = self.held.pop(job_id, None)
-        if held is None:
-            return
-        for uuid in held.uuids:
-            dev = self.devices.get(uuid)
-            if dev is None:
-                continue
-            if dev.holder == job_id:
-                dev.holder = None
-                dev.holder_prec = None
-            client = dev.clients.pop(job_id, None)
-            if client is not None:
-                dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
-                dev.used_mem = max(0, dev.used_mem - client.mem)
-                if not dev.clients:
-                    dev.used_fraction, dev.used_mem = 0.0, 0
-
-    def devices_of(self, job_id: int) -> tuple[str, ...]:
-        held = self.held.get(job_id)
-        return held.uuids if held is not None else ()
-
-    def pause(self, job_id: int) -> bool:
-        """A share suspended in place: its compute is free, its memory and slot stay. False if the
-        job holds no share here."""
-        self._fingerprint = None
-        held = self.held.get(job_id)
-        if held is None or not held.shared:
-            return False
-        for uuid in held.uuids:
-            client = self.devices[uuid].clients.get(job_id) if uuid in self.devices else None
-            if client is not None and client.fraction > 0:
-                dev = self.devices[uuid]
-                dev.used_fraction = max(0.0, dev.used_fraction - client.fraction)
-                client.fraction = 0.0
-        return True
-
-    def paused(self, job_id: int) -> bool:
-        held = self.held.get(job_id)
-        return held is not None and held.shared and all(
-            (c := self.devices[u].clients.get(job_id)) is not None and c.fraction == 0 and c.share > 0
-            for u in held.uuids if u in self.devices)
-
-    def unpause(self, job_id: int) -> bool:
-        """Give a paused share its compute back if it fits beside what runs now; False (nothing
-        changed) if it does not."""
-        held = self.held.get(job_id)
-        if held is None or not held.shared:
-            return False
-        clients = [(self.devices[u], self.devices[u].clients.get(job_id)) for u in held.uuids if u in self.devices]
-        if any(c is None or dev.used_fraction + c.share > 1 + _EPS for dev, c in clients):
-            return False
-        self._fingerprint = None
-        for dev, c in clients:
-            assert c is not None
-            dev.used_fraction += c.share - c.fraction
-            c.fraction = c.share
-        return True
-
-    def fingerprint(self) -> tuple[object, ...]:
-        """What decides whether a request fits: per device, held or not and the shares on it.
-
-        Equal fingerprints mean every placement that failed on one fails on the other, which lets
-        the scheduler skip re-trying requests that found no room while nothing was freed. Kept until
-        the next commit, release, pause or unpause (a pass asks twice, mostly with nothing changed).
-        """
-        if self._fingerprint is None:
-            self._fingerprint = self._compute_fingerprint()
-        return self._fingerprint
-
-    def _compute_fingerprint(self) -> tuple[object, ...]:
-        return tuple((d.uuid, d.holder is not None, len(d.clients), round(d.used_fraction, 9), d.used_mem,
-                      min((c.uid for c in d.clients.values()), default=-1) if d.mode == "mps" else 0,
-                      d.mps_owner) for d in self.devices.values())
-
-    def idle_whole(self) -> int:
-        """Whole GPUs with nothing on them (for 'waiting for N whole GPUs (k idle now)')."""
-        return sum(1 for d in self.devices.values() if d.kind == "gpu" and d.idle)
-
-    def has_room(self) -> bool:
-        """Cheap test used to stop a pass early: is any device idle or any share slot open?"""
-        return any(d.idle or (d.shared and d.holder is None and d.used_fraction < 1 - _EPS
-                              and len(d.clients) < d.max_clients and d.used_mem < d.memory_mib)
-                   for d in self.devices.values())
+class Cluster(ClusterState):
+    """The devices' usage (cluster.py) and where a request would go on it."""
 
     # ---- proposals -----------------------------------------------------------------------
     def place(self, job: Job, forbidden: AbstractSet[str] = frozenset(), *,
-              mps_any_uid: bool = False) -> Allocation | None:
+              mps_any_uid: bool = False, only: Iterable[str] | None = None) -> Allocation | None:
         """The best allocation for the job on what is free now, or None. Changes nothing.
 
-        `forbidden` devices are not considered (e.g. devices reserved for interactive jobs).
+        `forbidden` devices are not considered (e.g. devices reserved for interactive jobs), nor,
+        when `only` is given, any device outside it (the same as forbidding all the others).
         `mps_any_uid` lets a share join an MPS device where other users' servers run (it still
         prefers one of its own or an empty one).
         """
         req = job.spec.request
-        prec = precision_class(job.spec.precision)
-        env = job_env(job)
+        if only is not None:
+            return self._place(job, req, forbidden, mps_any_uid, self._pool(only))
+        # What the answer depends on: the request (and uid for shares), the precision (affinity
+        # and env), the exclusions and the uid policy. Not the job's id: jobs of one shape share it.
+        key: tuple[object, ...] | None = None
+        memo = self._memo
+        if memo is not None and isinstance(forbidden, frozenset):
+            if isinstance(req, WholeRequest):
+                key = ("g", req.gpus, job.spec.precision, forbidden)
+            elif isinstance(req, MigRequest):
+                key = ("m", req.profile, job.spec.precision, forbidden)
+            else:
+                key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
+            if key in memo.answers:
+                return memo.answers[key]
+            freed = memo.freed_since(key)
+            if freed is not None and not (isinstance(req, WholeRequest) and req.gpus > 1):
+                # it found no room before and only these devices have room they did not have then
+                # (the pickers' choice does not depend on the order they see devices in: every
+                # key ends in a unique index or uuid; the devices' order is kept all the same)
+                alloc = self._place(job, req, forbidden, mps_any_uid, self._pool(freed))
+            else:
+                alloc = self._place(job, req, forbidden, mps_any_uid)
+            memo.answers[key] = alloc
+            return alloc
+        return self._place(job, req, forbidden, mps_any_uid)
+
+    def _pool(self, uuids: Iterable[str]) -> list[DeviceUse]:
+        """These devices, in the cluster's order."""
+        index = self._index
+        return [self.devices[u] for u in sorted((u for u in uuids if u in index), key=index.__getitem__)]
+
+    def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool,
+               pool: Iterable[DeviceUse] | None = None) -> Allocation | None:
+        """The placement itself; `pool` limits the devices looked at (default: all)."""
+        devices = self.devices.values() if pool is None else pool
         if isinstance(req, WholeRequest):
-            devs = self._pick_whole(req.gpus, forbidden)
+            if self.idle_whole() < req.gpus:
+                return None  # not enough idle GPUs, forbidden or not
+            devs = self._pick_whole(devices, req.gpus, forbidden)
             if devs is None:
                 return None
-            return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), env)
+            return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), job_env(job))
+        prec = precision_class(job.spec.precision)
         if isinstance(req, MigRequest):
-            dev = self._pick_mig(req.profile, prec, forbidden)
+            dev = self._pick_mig(devices, req.profile, prec, forbidden)
             if dev is None:
                 return None
-            return _allocation([_alloc_dev(dev)], dev.compute_fraction, env)
-        dev = self._pick_share(req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
+            return _allocation([_alloc_dev(dev)], dev.compute_fraction, job_env(job))
+        dev = self._pick_share(devices, req.fraction, req.gpu_mem_mib, job.uid, prec, forbidden, mps_any_uid)
         if dev is None:
             return None
-        return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, env, share=req.fraction,
+        return _allocation([_alloc_dev(dev)], req.fraction * dev.compute_fraction, job_env(job), share=req.fraction,
                            gpu_mem_mib=req.gpu_mem_mib)
 
     def _gpu_penalty(self, gpu_index: int, prec: str | None) -> int:
@@ -365,30 +121,43 @@ class Cluster:
         return sum(self.devices[u].compute_fraction for u in self.by_gpu.get(gpu_index, ())
                    if self.devices[u].idle)
 
-    def _pick_whole(self, n: int, forbidden: AbstractSet[str]) -> list[DeviceUse] | None:
-        free = [d for d in self.devices.values() if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
+    def _pick_whole(self, devices: Iterable[DeviceUse], n: int, forbidden: AbstractSet[str]) -> list[DeviceUse] | None:
+        free = [d for d in devices if d.kind == "gpu" and d.idle and d.uuid not in forbidden]
         if len(free) < n:
             return None
-        nodes: dict[object, list[DeviceUse]] = {}
-        for d in free:
-            nodes.setdefault(d.numa, []).append(d)
-        for devs in nodes.values():
-            devs.sort(key=lambda d: (d.shared, d.gpu_index))  # exclusive-mode devices first
-        fitting = [devs for devs in nodes.values() if len(devs) >= n]
-        if fitting:
-            # Best fit: the node with the fewest free GPUs that still has enough, then the fewest
-            # share-mode devices taken, then the lowest index (stable).
-            best = min(fitting, key=lambda devs: (len(devs), sum(d.shared for d in devs[:n]), devs[0].gpu_index))
-            return best[:n]
-        out: list[DeviceUse] = []
-        for devs in sorted(nodes.values(), key=lambda ds: (-len(ds), ds[0].gpu_index)):
-            out.extend(devs[: n - len(out)])
-            if len(out) == n:
-                break
-        return out
+        return _best_whole(free, n)
 
-    def _pick_mig(self, profile: str, prec: str | None, forbidden: AbstractSet[str]) -> DeviceUse | None:
-        cands = [d for d in self.devices.values()
+    def whole_after_releases(self, n: int, forbidden: AbstractSet[str],
+                             order: Sequence[int]) -> tuple[int, list[DeviceUse]] | None:
+        """Releasing the jobs in `order` one by one: after which release (its index) do n whole GPUs
+        outside `forbidden` stand idle, and which would place() give then? None: never.
+
+        What a copy that releases job after job and asks place() each time answers, without the
+        copy: a GPU is idle once every job on it is released, and which GPUs place() picks depends
+        only on which are idle (a reservation for an n-GPU job waits for most of the node).
+        """
+        step = {jid: i for i, jid in enumerate(order)}
+        never = len(order)
+        when: list[tuple[int, DeviceUse]] = []
+        for d in self.devices.values():
+            if d.kind != "gpu" or d.uuid in forbidden:
+                continue
+            if d.idle:
+                when.append((-1, d))
+                continue
+            last = step.get(d.holder, never) if d.holder is not None else -1
+            for jid in d.clients:
+                last = max(last, step.get(jid, never))
+            if last < never:
+                when.append((last, d))
+        if len(when) < n:
+            return None
+        at = max(sorted(t for t, _ in when)[n - 1], 0)
+        return at, _best_whole([d for t, d in when if t <= at], n)
+
+    def _pick_mig(self, devices: Iterable[DeviceUse], profile: str, prec: str | None,
+                  forbidden: AbstractSet[str]) -> DeviceUse | None:
+        cands = [d for d in devices
                  if d.kind == "mig" and d.profile == profile and d.idle and d.uuid not in forbidden]
         if not cands:
             return None
@@ -396,53 +165,45 @@ class Cluster:
                                          self._gpu_idle_fraction(d.gpu_index), d.gpu_index, d.uuid))
 
     def _pick_share(
-        self, fraction: float, mem: int, uid: int, prec: str | None, forbidden: AbstractSet[str],
-        any_uid: bool = False,
+        self, devices: Iterable[DeviceUse], fraction: float, mem: int, uid: int, prec: str | None,
+        forbidden: AbstractSet[str], any_uid: bool = False,
     ) -> DeviceUse | None:
         best: DeviceUse | None = None
         best_key: tuple[object, ...] = ()
-        for d in self.devices.values():
+        for d in devices:
             if not d.shared or d.uuid in forbidden or not _share_fits(d, fraction, mem, uid, any_uid=any_uid):
                 continue
             wrong = sum(1 for p in d.precs() if p != prec) if prec is not None else 0
             owner_miss = 1 if (d.mode == "mps" and not d.clients and d.mps_owner is not None
                                and d.mps_owner != uid) else 0
             # Other users' MPS servers on it: they time-slice with ours, so only when nothing better.
-            strangers = 1 if d.mode == "mps" and any(c.uid != uid for c in d.clients.values()) else 0
+            strangers = 1 if d.mode == "mps" and d.strangers(uid) else 0
             key = (wrong, strangers, 1 if not d.clients else 0, owner_miss,
                    1 - d.used_fraction - fraction, d.memory_mib - d.used_mem - mem, d.gpu_index, d.uuid)
             if best is None or key < best_key:
                 best, best_key = d, key
         return best
 
-    # ---- checks --------------------------------------------------------------------------
-    def violations(self) -> list[str]:
-        """Broken invariants (empty when all is well); tests and the scheduler's self-check use it."""
-        out: list[str] = []
-        for d in self.devices.values():
-            if d.holder is not None and d.clients:
-                out.append(f"{d.uuid}: held exclusively by job {d.holder} and shared by {sorted(d.clients)}")
-            if sum(c.fraction for c in d.clients.values()) > 1 + 1e-6:
-                out.append(f"{d.uuid}: shares sum above 1")
-            if sum(c.mem for c in d.clients.values()) > d.memory_mib:
-                out.append(f"{d.uuid}: share memory above {d.memory_mib} MiB")
-            if len(d.clients) > d.max_clients:
-                out.append(f"{d.uuid}: more than {d.max_clients} clients")
-        return out
 
-
-def _mode(value: str | None) -> str:
-    return value if value in SHARE_MODES else "exclusive"
-
-
-def _share_fits(d: DeviceUse, fraction: float, mem: int, uid: int, *, any_uid: bool = False) -> bool:
-    if not d.shared or d.holder is not None:
-        return False
-    if d.used_fraction + fraction > 1 + _EPS or d.used_mem + mem > d.memory_mib:
-        return False
-    if len(d.clients) >= d.max_clients:
-        return False
-    return any_uid or not (d.mode == "mps" and any(c.uid != uid for c in d.clients.values()))
+def _best_whole(free: list[DeviceUse], n: int) -> list[DeviceUse]:
+    """n of the free whole GPUs (at least n): all on one NUMA node when one has enough."""
+    nodes: dict[object, list[DeviceUse]] = {}
+    for d in free:
+        nodes.setdefault(d.numa, []).append(d)
+    for devs in nodes.values():
+        devs.sort(key=lambda d: (d.shared, d.gpu_index))  # exclusive-mode devices first
+    fitting = [devs for devs in nodes.values() if len(devs) >= n]
+    if fitting:
+        # Best fit: the node with the fewest free GPUs that still has enough, then the fewest
+        # share-mode devices taken, then the lowest index (stable).
+        best = min(fitting, key=lambda devs: (len(devs), sum(d.shared for d in devs[:n]), devs[0].gpu_index))
+        return best[:n]
+    out: list[DeviceUse] = []
+    for devs in sorted(nodes.values(), key=lambda ds: (-len(ds), ds[0].gpu_index)):
+        out.extend(devs[: n - len(out)])
+        if len(out) == n:
+            break
+    return out
 
 
 _DEVICE_FIELDS = fields_of(AllocatedDevice)
@@ -461,61 +222,3 @@ def _allocation(devices: list[AllocatedDevice], fraction: float, env: dict[str, 
     return construct(Allocation, _ALLOCATION_FIELDS, {"devices": devices, "compute_fraction": fraction,
                                                       "share": share, "gpu_mem_mib": gpu_mem_mib, "env": env})
 
-
-def offered_profiles(gpu: Gpu) -> set[str]:
-    """MIG profiles a GPU's model can host (empty for a model without tables)."""
-    model = MODELS.get(gpu.model)
-    return {p.name for p in model.profiles} if model is not None else set()
-
-
-def unsatisfiable_reason(
-    request: Request,
-    gpus: Sequence[Gpu],
-    share_modes: Mapping[str, str] | None = None,
-    dynamic: frozenset[int] = frozenset(),
-    mode_toggle: bool = False,
-) -> str | None:
-    """Why this node can never run the request, in words that say what the node has; None if it can.
-
-    `share_modes` (device UUID -> exclusive|mps|timeslice) makes share requests answerable;
-    `dynamic` (GPU indices whose MIG layout the scheduler may change) makes a MIG profile
-    satisfiable when such a GPU's model offers it, even if no instance of it exists yet; with
-    `mode_toggle` the scheduler may also switch their MIG mode, so they count as whole GPUs too.
-    """
-    modes = share_modes or {}
-    whole = [g for g in gpus if not g.mig_enabled or (mode_toggle and g.index in dynamic)]
-    if isinstance(request, WholeRequest):
-        if request.gpus > len(whole):
-            mig_note = f" ({len(gpus) - len(whole)} more are in MIG mode)" if len(whole) < len(gpus) else ""
-            return (
-                f"asks for {request.gpus} whole GPU(s) but this node has {len(whole)} GPU(s) "
-                f"with MIG off{mig_note}"
-            )
-        return None
-    if isinstance(request, MigRequest):
-        offered = sorted({i.profile for g in gpus for i in g.instances})
-        if request.profile in offered:
-            return None
-        dyn = [g for g in gpus if g.index in dynamic and (g.mig_enabled or mode_toggle)]
-        if any(request.profile in offered_profiles(g) for g in dyn):
-            return None
-        have = ", ".join(offered) if offered else "none"
-        dyn_note = ""
-        if dyn:
-            dyn_note = "; dynamic GPUs offer: " + ", ".join(
-                sorted({p for g in dyn for p in offered_profiles(g)}))
-        return f"asks for MIG profile {request.profile} but this node's MIG instances are: {have}{dyn_note}"
-    shared: list[tuple[str, int]] = []  # (what, memory)
-    for g in gpus:
-        if not g.mig_enabled and modes.get(g.uuid) in ("mps", "timeslice"):
-            shared.append((f"GPU {g.index}", g.memory_total_mib))
-        for inst in g.instances if g.mig_enabled else ():
-            if modes.get(inst.uuid) in ("mps", "timeslice"):
-                shared.append((f"{inst.profile} on GPU {g.index}", inst.memory_mib))
-    if not shared:
-        return "asks for a GPU share but no device on this node is configured for sharing (mps or timeslice)"
-    largest = max(m for _, m in shared)
-    if request.gpu_mem_mib > largest:
-        return (f"asks for a share with {request.gpu_mem_mib} MiB of GPU memory but the largest shared "
-                f"device on this node has {largest} MiB")
-    return None

@@ -3,7 +3,8 @@ submission).
 
 Two levels because fairness is between users, not jobs: a user with 10,000 queued jobs is one
 entry in the user order, so the cost of a pick depends on the number of users with work, not on
-the number of jobs. Submit, remove and re-key are O(log n) on sortedcontainers.
+the number of jobs. Submit and remove are O(log n) on sortedcontainers; re-keying a user is a bisect
+in the user order (a plain list: users number in the hundreds).
 
 Picking follows EEVDF: among *eligible* users (fairshare.is_eligible) the earliest virtual
 deadline; if no waiting user is eligible (the owed users are all running), the earliest deadline
@@ -20,6 +21,7 @@ shift under it while it waits.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -65,14 +67,23 @@ class _UserQueue:
 class RunQueue:
     """Pending jobs. The scheduler owns activation in FairShare; this class owns order only."""
 
-    def __init__(self, fair: FairShare, expected: Callable[[Job], float] | None = None) -> None:
+    def __init__(self, fair: FairShare, expected: Callable[[Job], float] | None = None,
+                 revision: Callable[[], int] | None = None) -> None:
+        """`revision` (optional) changes whenever `expected` may answer differently: while it does
+        not, a user's deadline offset (what their head job adds to v) is reused by `rekey`."""
         self.fair = fair
         self._expected_of = expected or (lambda job: fair.config.batch_quantum_s)
+        self._revision = revision
+        # user -> (head job, revision, weight, deadline - v): v moves on every charge, the rest rarely
+        self._offsets: dict[str, tuple[Job, int, float, float]] = {}
         self._jobs: dict[int, Job] = {}
         self._keys: dict[int, JobKey] = {}
         self._users: dict[str, _UserQueue] = {}
-        self._order: SortedList = SortedList()  # of UserKey
+        # Users by key, a plain sorted list: users with work number in the hundreds, where bisect and
+        # a memmove beat SortedList's bookkeeping (a pass re-keys a few users and scans from the front).
+        self._order: list[UserKey] = []
         self._parked: set[str] = set()
+        self._skip = 0  # the first _skip entries of _order are parked (a pass parks users in order)
         self._versions: dict[str, int] = {}  # user -> bumped whenever their pending jobs change
 
     # ---- membership ----------------------------------------------------------------------
@@ -119,8 +130,11 @@ class RunQueue:
         if head_before is None or uq.jobs[0] != head_before:
             self.rekey(job.user)
 
-    def remove(self, job_id: int) -> Job | None:
-        """Drop a job (started, cancelled, held, failed). Returns it, or None if unknown."""
+    def remove(self, job_id: int, *, rekey: bool = True) -> Job | None:
+        """Drop a job (started, cancelled, held, failed). Returns it, or None if unknown.
+
+        `rekey=False`: the caller re-keys the user itself before the order is read again (a start
+        charges the user first, and one re-key then does for both)."""
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
@@ -131,10 +145,11 @@ class RunQueue:
         self._versions[job.user] = self._versions.get(job.user, 0) + 1
         if not uq.jobs:
             if uq.key is not None:
-                self._order.remove(uq.key)
+                self._unorder(uq.key)
             del self._users[job.user]
             self._parked.discard(job.user)
-        elif was_head:
+            self._offsets.pop(job.user, None)
+        elif was_head and (rekey or not self.fair.is_active(job.user)):
             self.rekey(job.user)
         return job
 
@@ -164,12 +179,25 @@ class RunQueue:
         head = self.head(user)
         if head is None:
             return float("inf")
-        return self._deadline(user, head, self.fair.v(user))
+        v = self.fair.v(user)
+        if self._revision is None:
+            return self._deadline(user, head, v)
+        revision, weight = self._revision(), self.fair.weight(user)
+        cached = self._offsets.get(user)
+        if cached is not None and cached[0] is head and cached[1] == revision and cached[2] == weight:
+            return v + cached[3]
+        offset = self._offset(user, head)
+        self._offsets[user] = (head, revision, weight, offset)
+        return v + offset
 
     def _deadline(self, user: str, job: Job, v: float) -> float:
+        return v + self._offset(user, job)
+
+    def _offset(self, user: str, job: Job) -> float:
+        """What the job's request adds to v for its deadline: fraction·request_s·100/w."""
         fair = self.fair
         request_s = fair.request_length(self._expected_of(job), job.spec.job_class)
-        return v + request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
+        return request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
 
     def rekey(self, user: str) -> None:
         """Recompute a user's place after their v, rate, weight or head job changed. O(log n)."""
@@ -177,12 +205,21 @@ class RunQueue:
         if uq is None:
             return
         if uq.key is not None:
-            self._order.remove(uq.key)
+            self._unorder(uq.key)
             uq.key = None
         if not self.fair.is_active(user):
             self.fair.activate(user, self._jobs[uq.jobs[0][3]].uid)
         uq.key = (self.deadline_of(user), user)
-        self._order.add(uq.key)
+        bisect.insort(self._order, uq.key)
+        self._skip = 0
+
+    def _unorder(self, key: UserKey) -> None:
+        order = self._order
+        self._skip = 0
+        i = bisect.bisect_left(order, key)
+        if i == len(order) or order[i] != key:
+            raise ValueError(f"{key!r} not in the user order")
+        del order[i]
 
     def pick(self) -> str | None:
         """The user to serve next: earliest deadline among eligible users, else earliest overall.
@@ -192,13 +229,19 @@ class RunQueue:
         """
         first: str | None = None
         parked = self._parked
-        for entry in self._order:
+        eligible = self.fair.eligibility()
+        order = self._order
+        skip = self._skip
+        while skip < len(order) and order[skip][1] in parked:
+            skip += 1
+        self._skip = skip
+        for entry in order[skip:] if skip else order:
             user: str = entry[1]
             if user in parked:
                 continue
             if first is None:
                 first = user
-            if self.fair.is_eligible(user):
+            if eligible(user):
                 return user
         return first
 
@@ -210,6 +253,7 @@ class RunQueue:
     def unpark_all(self) -> None:
         """End of pass: every parked user is a candidate again."""
         self._parked = set()
+        self._skip = 0
 
     def ordered_jobs(self, limit: int | None = None) -> list[int]:
         """Pending job ids in the order they would be served if each started at once.

@@ -6,7 +6,9 @@ scheduler.py composes the parts (sched_sync, sched_mig, sched_preempt, sched_exp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +45,10 @@ def unsatisfiable_reason(
     leave MIG mode for whole-GPU work). See placement.unsatisfiable_reason.
     """
     return _unsatisfiable_reason(request, gpus, share_modes, dynamic, mode_toggle)
+
+
+Candidate = tuple[Job, tuple[object, ...]]  # a pending job and its _signature
+ScanEntry = tuple[int, list[Candidate], frozenset[int], list[Candidate]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +156,12 @@ class SchedulerCore:
     _times_preempted: dict[int, int]
     _head_id: int | None
     _cluster: Cluster | None
-    _reserve_memo: tuple[object, _Reservation] | None
-    _sigs: dict[int, tuple[object, ...]]
+    _live: Cluster | None
+    _live_gpus: tuple[Gpu, ...] | None
+    _live_shape: tuple[object, ...]
+    _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
+    # user -> (queue version, first per_user_scan jobs, ids of the first per_user_scan + 1, those jobs)
+    _scan: dict[str, ScanEntry]
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]
     _headroom: frozenset[str]
@@ -171,15 +181,42 @@ class SchedulerCore:
         return self._fail_cache[req]
 
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
-               claimed: frozenset[str] = frozenset()) -> Allocation | None:
-        """Place with the pass's exclusions: interactive-only devices, instances the head claimed."""
-        forbidden = claimed if job.spec.job_class == "interactive" else reserved | claimed
+               claimed: frozenset[str] = frozenset(), only: AbstractSet[str] | None = None) -> Allocation | None:
+        """Place with the pass's exclusions: interactive-only devices, instances the head claimed.
+
+        `only` narrows the devices like `reserved` does (everything else counts as reserved), so an
+        interactive job, which may use reserved devices, ignores it too."""
+        forbidden = self._forbidden(cluster, job, reserved, claimed)
+        interactive = job.spec.job_class == "interactive"
+        across = self.config.mps_across_users
+        any_uid = across == "always" or (across == "interactive" and interactive)
+        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid, only=None if interactive else only)
+
+    def _forbidden(self, cluster: Cluster, job: Job, reserved: frozenset[str],
+                   claimed: frozenset[str] = frozenset()) -> frozenset[str]:
+        """The devices `_place` keeps the job off."""
+        # (a union only when there is something to add: the same set object keeps its hash cached,
+        # and placements are memoised by it)
+        forbidden = claimed if job.spec.job_class == "interactive" else (reserved | claimed if claimed else reserved)
         pinned = self._pinned.get(job.id)
         if pinned is not None:  # a checkpointed job resumes on the devices that hold its state
             forbidden = forbidden | (frozenset(cluster.devices) - pinned)
-        across = self.config.mps_across_users
-        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
-        return cluster.place(job, forbidden=forbidden, mps_any_uid=any_uid)
+        return forbidden
+
+    def _candidates(self, user: str, version: int, head_id: int) -> list[Candidate]:
+        """The user's first `per_user_scan` pending jobs other than the head, with their signatures.
+
+        Backfill looks at the same few jobs of each user pass after pass: they are listed again only
+        when the user's queue changed (its version), not walked and re-signed every pass.
+        """
+        cached = self._scan.get(user)
+        if cached is None or cached[0] != version:
+            n = self.config.per_user_scan
+            first = [(job, _signature(job)) for job in itertools.islice(self.queue.jobs_of(user), n + 1)]
+            cached = self._scan[user] = (version, first[:n], frozenset(job.id for job, _ in first), first)
+        if head_id not in cached[2]:
+            return cached[1]
+        return [c for c in cached[3] if c[0].id != head_id][: self.config.per_user_scan]
 
     def _expected_end(self, rec: _Active, now: float) -> float:
         """When a running job is expected to end: never before k x its elapsed time (estimate.py)."""
@@ -197,7 +234,9 @@ class SchedulerCore:
         """Keep FairShare's active set = users with work queued or running, and re-key the user."""
         if self.queue.has_user(user):
             self.queue.rekey(user)
-        elif self._running_jobs.get(user, 0) <= 0:
+            return
+        self._scan.pop(user, None)
+        if self._running_jobs.get(user, 0) <= 0:
             self.fair.deactivate(user)
 
     def _outstanding(self, user: str, delta: float) -> None:

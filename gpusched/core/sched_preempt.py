@@ -99,10 +99,14 @@ class PreemptionMixin(SchedulerCore):
         margin = self.config.preempt_lag_margin_gpu_s
         cap = self.config.preempt_max_per_job
         cands: list[Candidate] = []
+        lags: dict[str, float] = {}  # per user, read once: nothing is charged during the search
         for jid, rec in self._active.items():
-            if (rec.user == job.user or jid not in cluster.held or rec.job.spec.job_class == "interactive"
-                    or (cap and self._times_preempted.get(jid, 0) >= cap)
-                    or self.fair.lag(rec.user) >= min(my_lag - margin, -margin)):
+            if rec.user == job.user or jid not in cluster.held or rec.job.spec.job_class == "interactive":
+                continue
+            lag = lags.get(rec.user)
+            if lag is None:
+                lag = lags[rec.user] = self.fair.lag(rec.user)
+            if (cap and self._times_preempted.get(jid, 0) >= cap) or lag >= min(my_lag - margin, -margin):
                 continue
             whole = rec.alloc.share is None and all(d.kind == "gpu" for d in rec.alloc.devices)
             lost = rec.fraction * (now - rec.started)
@@ -114,11 +118,11 @@ class PreemptionMixin(SchedulerCore):
             share = rec.alloc.share is not None and rec.running
             if share and self.config.preempt_suspend_shares and any(
                     (d := cluster.devices.get(u)) is not None and d.shared for u in rec.alloc.uuids):
-                cands.append(Candidate(jid, "suspend", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+                cands.append(Candidate(jid, "suspend", (0, lag, -rec.started), 0.0))
             elif checkpoint and whole and rec.running and jid not in self._no_checkpoint:
-                cands.append(Candidate(jid, "checkpoint", (0, self.fair.lag(rec.user), -rec.started), 0.0))
+                cands.append(Candidate(jid, "checkpoint", (0, lag, -rec.started), 0.0))
             elif rec.requeue and self._budget.left(rec.user, now) >= lost:
-                cands.append(Candidate(jid, "requeue", (1, self.fair.lag(rec.user), -rec.started), lost))
+                cands.append(Candidate(jid, "requeue", (1, lag, -rec.started), lost))
         if not cands:
             return []
         # Whether any set of these victims makes room depends only on what is held, the waiting job

@@ -9,6 +9,8 @@ from gpusched.core.actions import (
     Snapshot,
     busy_uuids,
 )
+from gpusched.core.cluster_sync import sync
+from gpusched.core.placement import Cluster
 from gpusched.core.sched_core import (
     SchedulerCore,
     _Active,
@@ -21,7 +23,24 @@ from gpusched.model import (
 
 
 class SyncMixin(SchedulerCore):
-    """Charging and idle timers."""
+    """Charging, idle timers, and the placement view."""
+
+    def _cluster_for(self, snapshot: Snapshot) -> Cluster:
+        """The pass's placement view: the last pass's Cluster brought up to the snapshot when the
+        devices are the same (cluster_sync.py), else a fresh build."""
+        shape = (snapshot.share_modes, snapshot.unschedulable, snapshot.mps_owner)
+        live = self._live
+        if (live is not None and self._live_gpus is snapshot.gpus and self._live_shape == shape
+                and sync(live, snapshot.active, snapshot.yielded)):
+            return live
+        cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
+                                unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner,
+                                yielded=snapshot.yielded)
+        self._live = cluster
+        self._live_gpus = snapshot.gpus
+        # copies: the engine may change a mapping in place between passes
+        self._live_shape = (dict(snapshot.share_modes), snapshot.unschedulable, dict(snapshot.mps_owner))
+        return cluster
 
     def _sync_active(self, active: Iterable[Job], now: float) -> None:
         """Charge every active job for the time since its last charge; settle jobs that ended."""
@@ -66,6 +85,8 @@ class SyncMixin(SchedulerCore):
 
     def _track_idle(self, snapshot: Snapshot, now: float) -> None:
         """Remember since when each MIG instance has been idle (hysteresis for destroying it)."""
+        if not snapshot.dynamic and not self._idle_since and not any(g.instances for g in snapshot.gpus):
+            return  # no instances and no dynamic GPUs: nothing to time (skips collecting busy devices)
         busy = busy_uuids(snapshot.active)
         present: set[str] = set()
         for gpu in snapshot.gpus:

@@ -37,10 +37,17 @@ from gpusched.core.interactive import InteractiveDemand
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import LossBudget
 from gpusched.core.queue import RunQueue, request_fraction
-from gpusched.core.sched_core import SchedulerConfig, _Active, _Reservation, _signature, unsatisfiable_reason
+from gpusched.core.sched_core import (
+    ScanEntry,
+    SchedulerConfig,
+    _Active,
+    _Reservation,
+    unsatisfiable_reason,
+)
 from gpusched.core.sched_explain import ExplainMixin
 from gpusched.core.sched_mig import MigMixin
 from gpusched.core.sched_preempt import PreemptionMixin
+from gpusched.core.sched_reserve import ReservationMixin
 from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
@@ -48,7 +55,6 @@ from gpusched.model import (
     Job,
     JobState,
     MigRequest,
-    WholeRequest,
 )
 
 __all__ = [
@@ -70,7 +76,7 @@ __all__ = [
 ]
 
 
-class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
+class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainMixin):
     """Fair share (EEVDF over users) + placement + dynamic MIG + backfill + preemption.
 
     The daemon calls, in this order of life:
@@ -87,7 +93,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self.config = config or SchedulerConfig()
         self.fair = FairShare(self.config.fairness)
         self.estimator = RuntimeEstimator(self.config.estimator)
-        self.queue = RunQueue(self.fair, expected=self.estimator.predict)
+        self.queue = RunQueue(self.fair, expected=self.estimator.predict, revision=lambda: self.estimator.revision)
         self.incremental = incremental
         self._active: dict[int, _Active] = {}
         self._unused: dict[str, float] = {}  # user -> GPU-s committed by running jobs, not used yet
@@ -117,8 +123,13 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         # cannot lose its reservation to whoever is most owed a moment later (it would starve).
         self._head_id: int | None = None
         self._cluster: Cluster | None = None
-        self._reserve_memo: tuple[object, _Reservation] | None = None
-        self._sigs: dict[int, tuple[object, ...]] = {}  # pending job -> _signature (passes ask many times)
+        # The placement view kept from pass to pass (sched_sync._cluster_for), and what it was built for
+        self._live: Cluster | None = None
+        self._live_gpus: tuple[Gpu, ...] | None = None
+        self._live_shape: tuple[object, ...] = ()
+        self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
+        # what backfill scans of each user, kept until their queue changes (sched_core._candidates)
+        self._scan: dict[str, ScanEntry] = {}
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
@@ -187,7 +198,6 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""
         job = self.queue.remove(job_id)
-        self._sigs.pop(job_id, None)
         self._interactive_pending.pop(job_id, None)
         self._pinned.pop(job_id, None)
         if self._head_id == job_id:
@@ -212,9 +222,7 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self._to_fail = []
         self._track_idle(snapshot, now)
 
-        cluster = Cluster.build(snapshot.gpus, snapshot.active, share_modes=snapshot.share_modes,
-                                unschedulable=snapshot.unschedulable, mps_owner=snapshot.mps_owner,
-                                yielded=snapshot.yielded)
+        cluster = self._cluster_for(snapshot)
         actions.extend(self._resume_yielded(cluster, snapshot.yielded))
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
@@ -269,21 +277,17 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
                 started = False
                 tried: set[object] = set()
                 wanted: list[str] = []
-                for k, job in enumerate(j for j in self.queue.jobs_of(user) if j.id != head.id):
-                    if k >= self.config.per_user_scan:
-                        break
+                for job, sig in self._candidates(user, version, head.id):
                     scanned += 1
-                    sig = self._sigs.get(job.id)
-                    if sig is None:
-                        sig = self._sigs[job.id] = _signature(job)
                     tried.add(sig)
                     alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
                     if alloc is None:
                         fails.add(sig)
-                        if isinstance(job.spec.request, MigRequest):
-                            wanted.append(job.spec.request.profile)
+                        if sig[0] == "m":  # a MIG request: ("m", profile, class), see _signature
+                            profile = str(sig[1])
+                            wanted.append(profile)
                             if len(mig_demand) < self.config.max_mig_demand:
-                                mig_demand.append(job.spec.request.profile)
+                                mig_demand.append(profile)
                         self._blocked[job.id] = None
                         continue
                     ok, why = self._backfill_ok(job, alloc, now)
@@ -319,7 +323,8 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
     def _observe_shape(self, snapshot: Snapshot) -> None:
         """Re-check satisfiability of everything pending when the node's shape changes."""
         seen = (snapshot.gpus, snapshot.share_modes, snapshot.dynamic)
-        if self._shape is not None and all(a is b for a, b in zip(seen, self._shape_seen, strict=True)):
+        last = self._shape_seen
+        if self._shape is not None and seen[0] is last[0] and seen[1] is last[1] and seen[2] is last[2]:
             return  # the very same objects as last pass (the engine reuses them until something changes)
         self._shape_seen = seen
         shape = (tuple((g.index, g.model, g.mig_enabled, g.memory_total_mib,
@@ -353,13 +358,12 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
 
     def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
         cluster.commit(job, alloc)
-        self._sigs.pop(job.id, None)
         self._interactive_pending.pop(job.id, None)
         self._pinned.pop(job.id, None)
         if self._head_id == job.id:
             self._head_id = None
         predicted = self.queue.expected_of(job)
-        self.queue.remove(job.id)
+        self.queue.remove(job.id, rekey=False)  # _sync_user below re-keys them, charged
         self._pending_since.pop(job.id, None)
         rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, alloc,
                       predicted)
@@ -370,44 +374,6 @@ class Scheduler(SyncMixin, MigMixin, PreemptionMixin, ExplainMixin):
         self._outstanding(job.user, rec.committed)
         self._sync_user(job.user)
         return StartJob(job.id, alloc, reason, predicted)
-
-    def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
-                 fingerprint: tuple[object, ...]) -> _Reservation:
-        """When would the blocked head fit, releasing active jobs in order of their expected end?
-
-        The answer depends only on the head, what is held, the reserved devices and the expected
-        ends, so a pass in which none of them changed reuses the last one.
-        """
-        ends = sorted((self._expected_end(rec, now) if jid not in self._preempting else now, jid)
-                      for jid, rec in self._active.items() if jid in cluster.held)
-        key = (job.id, fingerprint, reserved, tuple(ends), now if ends and ends[0][0] <= now else None)
-        cached = self._reserve_memo
-        if cached is not None and cached[0] == key:
-            r = cached[1]
-            return _Reservation(r.job_id, r.at, r.uuids, r.served_by_ends)
-        res = self._reserve_fresh(cluster, job, now, reserved, ends)
-        self._reserve_memo = (key, _Reservation(res.job_id, res.at, res.uuids, res.served_by_ends))
-        return res
-
-    def _reserve_fresh(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
-                       ends: list[tuple[float, int]]) -> _Reservation:
-        sim = cluster.copy()
-        need_whole = job.spec.request.gpus if isinstance(job.spec.request, WholeRequest) else 0
-        # A one-device request that does not fit now can fit only on a device a release touched:
-        # try those alone (a 1g job, once 30 jobs end one by one, is 30 small placements, not 30 full ones).
-        single = need_whole <= 1
-        everything = frozenset(sim.devices)
-        freed: set[str] = set()
-        for end, jid in ends:
-            if single:
-                freed.update(sim.devices_of(jid))
-            sim.release(jid)
-            if need_whole > 1 and sim.idle_whole() < need_whole:
-                continue  # cannot fit yet: skip the full placement
-            alloc = self._place(sim, job, reserved | (everything - freed) if single else reserved)
-            if alloc is not None:
-                return _Reservation(job.id, max(end, now), frozenset(alloc.uuids))
-        return _Reservation(job.id, math.inf, frozenset(), served_by_ends=False)
 
     def _backfill_ok(self, job: Job, alloc: Allocation, now: float) -> tuple[bool, str]:
         """May `job` start in a hole without delaying the fairness head's reserved start?"""

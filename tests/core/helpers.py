@@ -82,6 +82,7 @@ class Node:
     ends: dict[int, float] = field(default_factory=dict)  # running job -> when it ends
     left: dict[int, float] = field(default_factory=dict)  # share suspended in place -> work left
     yielded: set[int] = field(default_factory=set)
+    _gpus: tuple[Gpu, ...] | None = None
 
     def submit(self, j: Job, duration: float) -> None:
         self.pending[j.id] = j.model_copy(update={"submitted_at": self.now})
@@ -90,7 +91,12 @@ class Node:
             self.sched.submit(self.pending[j.id])
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(gpus=tuple(self.gpus), pending=tuple(self.pending.values()),
+        # the same tuple while the GPUs are the same objects, as the engine does (the scheduler then
+        # keeps its placement view instead of rebuilding it)
+        if self._gpus is None or len(self._gpus) != len(self.gpus) or any(
+                a is not b for a, b in zip(self._gpus, self.gpus, strict=True)):
+            self._gpus = tuple(self.gpus)
+        return Snapshot(gpus=self._gpus, pending=tuple(self.pending.values()),
                         active=tuple(self.active.values()), share_modes=self.share_modes, dynamic=self.dynamic,
                         yielded=frozenset(self.yielded))
 

@@ -85,3 +85,40 @@ def test_a_command_whose_history_was_evicted_falls_back_to_its_shape() -> None:
     for k in range(3):  # each new command adds two keys and pushes the oldest out
         est.observe(_named(10 + k, f"other-{k}", user=f"u{k}"), 500.0)
     assert "this command" not in est.estimate(waiting).source
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 2), st.integers(0, 2), st.integers(1, 2),
+                          st.floats(1, 1e5), st.sampled_from([None, 50.0, 1e6])), max_size=40),
+       st.integers(3, 12))
+def test_memoised_estimates_equal_a_fresh_estimators(
+        steps: list[tuple[bool, int, int, int, float, float | None]], max_keys: int) -> None:
+    """Whatever was learned (and evicted) in between, an estimate equals the one a new estimator
+    with the same history gives: memo answers must never be stale."""
+    est = RuntimeEstimator(EstimatorConfig(max_keys=max_keys, history=3))
+    learned: list[tuple[object, float]] = []
+    for k, (observe, user, cmd, gpus, runtime, limit) in enumerate(steps):
+        j = job(k, f"u{user}", gpus=gpus, time_limit=limit).model_copy(deep=True)
+        j.spec.argv[0] = f"cmd{cmd}"
+        if observe:
+            est.observe(j, runtime)
+            learned.append((j, runtime))
+            continue
+        fresh = RuntimeEstimator(EstimatorConfig(max_keys=max_keys, history=3))
+        for seen, r in learned:
+            fresh.observe(seen, r)  # type: ignore[arg-type]
+        assert est.estimate(j) == fresh.estimate(j)
+        assert est.estimate(j) == fresh.estimate(j)  # asked twice: the memo's answer
+
+
+def test_a_key_evicted_and_learned_again_does_not_revive_an_old_estimate() -> None:
+    est = RuntimeEstimator(EstimatorConfig(max_keys=6))
+    a = job(1, "alice")
+    est.observe(a, 10.0)
+    assert est.predict(a) == 10.0  # memoised from alice's own runs of the command
+    for k in range(5):  # others' jobs of other commands push all of alice's keys out
+        other = job(100 + k, f"user{k}", gpus=2).model_copy(deep=True)
+        other.spec.argv[0] = f"other{k}"
+        est.observe(other, 1.0)
+    est.observe(a, 20.0)  # learned again from scratch: one run, as before, but another one
+    assert est.predict(a) == 20.0

@@ -138,3 +138,37 @@ def test_no_device_memory_or_mps_slot_is_ever_over_allocated(
             c.commit(j, alloc)
             live.append(j.id)
         assert c.violations() == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=14), st.integers(2, 6),
+       st.sets(st.integers(0, 7), max_size=3), st.randoms(use_true_random=False))
+def test_whole_after_releases_answers_what_releasing_one_by_one_would(
+        starts: list[tuple[int, int]], n: int, forbidden_idx: set[int], rnd: Any) -> None:
+    """The reservation of an n-GPU job reads its answer off who holds each GPU; releasing job after
+    job on a copy and asking place() each time must give the same step and the same GPUs."""
+    gpus = [gpu(i, numa=i // 4) for i in range(8)]
+    modes = {f"GPU-{i:04d}": "mps" for i in (1, 2, 6)}
+    c = Cluster.build(gpus, [], share_modes=modes)
+    for k, (kind, size) in enumerate(starts):
+        j = job(10 + k, gpus=1 + size % 2) if kind < 2 else job(10 + k, share=0.2 + size / 10, uid=1 + kind)
+        alloc = c.place(j, mps_any_uid=True)
+        if alloc is not None:
+            c.commit(j, alloc)
+    order = list(c.held)
+    rnd.shuffle(order)
+    order = order[: max(0, len(order) - rnd.randrange(2))]  # a job that never ends, sometimes
+    forbidden = frozenset(f"GPU-{i:04d}" for i in forbidden_idx)
+    head = job(1, gpus=n)
+    expected: tuple[int, frozenset[str]] | None = None
+    sim = c.copy()
+    for step, jid in enumerate(order):
+        sim.release(jid)
+        alloc = sim.place(head, forbidden=forbidden)
+        if alloc is not None:
+            expected = (step, frozenset(alloc.uuids))
+            break
+    found = c.whole_after_releases(n, forbidden, order)
+    got = (found[0], frozenset(d.uuid for d in found[1])) if found is not None else None
+    if c.place(head, forbidden=forbidden) is None:  # (the reservation is asked only then)
+        assert got == expected
