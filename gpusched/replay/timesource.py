@@ -50,7 +50,8 @@ class TimeSource:
         return {**row, **times}, by_name
 
 
-def _number(text: str) -> float | None:
+def finite_number(text: str) -> float | None:
+    """A column's value as a finite float, None when it is empty, not a number, or infinite."""
     try:
         value = float(text)
     except ValueError:
@@ -87,13 +88,13 @@ def load_time_source(path: str) -> TimeSource:
                         bad(line, col, "missing value")
                     values[col] = None
                     continue
-                values[col] = _number(text)
+                values[col] = finite_number(text)
                 if values[col] is None:
                     bad(line, col, f"{text!r} is not a number")
             times = {c: get[c] for c in TIME_COLUMNS}
             if get["name"]:
                 by_name.setdefault(get["name"], times)
-            gpus = _number(get["num_gpu"])
+            gpus = finite_number(get["num_gpu"])
             sched, deleted = values["scheduled_time"], values["deletion_time"]
             if deleted is not None:
                 last_deletion = max(last_deletion, deleted)

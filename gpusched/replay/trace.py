@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from gpusched.model import MigRequest, ShareRequest, WholeRequest
-from gpusched.replay.timesource import TIME_COLUMNS, load_time_source
+from gpusched.replay.timesource import TIME_COLUMNS, finite_number, load_time_source
 
 Request = WholeRequest | MigRequest | ShareRequest
 TraceFormat = Literal["csv", "alibaba"]
@@ -360,7 +360,7 @@ def parse_alibaba(path: str, *, gpus: int, gpu_memory_mib: int, load: float = 0.
             row, by_name = source.fill(row, f"line{line}", seed)
             matched += by_name
             drawn += not by_name
-        deleted = _lenient_number(row.get("deletion_time", ""))
+        deleted = finite_number(row.get("deletion_time", ""))  # a bad one is reported by _alibaba_job
         if deleted is not None and source is None:
             last_deletion = max(last_deletion, deleted)
         job = _alibaba_job(errs, skipped, line, row, gpu_memory_mib, users, seed)
@@ -378,15 +378,6 @@ def parse_alibaba(path: str, *, gpus: int, gpu_memory_mib: int, load: float = 0.
     jobs.sort(key=lambda j: (j.submit_s, j.line))
     trace = Trace(path, "alibaba", jobs, skipped, times_from=times_from, times_matched=matched, times_drawn=drawn)
     return scale_to_load(trace, load, gpus)
-
-
-def _lenient_number(text: str) -> float | None:
-    """A time column's value, or None when it is empty or bad (_alibaba_job reports those)."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
 
 
 def _alibaba_job(errs: _Errors, skipped: Counter[str], line: int, row: dict[str, str], mem_total: int,
