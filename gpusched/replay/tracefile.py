@@ -1,0 +1,180 @@
+"""What every trace parser produces and shares: `TraceJob`, `Trace`, errors by line and field, the
+row reader and error collector, and the rescaling of arrivals to an offered load.
+
+Kept apart from the parsers (trace.py, alibaba.py) so both formats build the same records the
+simulator and the policies read, without importing each other.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from gpusched.model import MigRequest, ShareRequest, WholeRequest
+
+Request = WholeRequest | MigRequest | ShareRequest
+TraceFormat = Literal["csv", "alibaba"]
+Censored = Literal["keep", "drop"]  # pods still running when the Alibaba trace was taken (alibaba.py)
+
+MAX_ERRORS = 50  # a trace with more bad rows is reported by its first 50
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One bad value: where (1-based line of the file, header = line 1) and which column."""
+
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}, field {self.field!r}: {self.message}"
+
+
+class TraceError(Exception):
+    """The trace cannot be replayed; `errors` lists every bad line and field found."""
+
+    def __init__(self, path: str, errors: list[FieldError], *, more: int = 0) -> None:
+        self.path = path
+        self.errors = errors
+        self.more = more
+        lines = [f"{path}: {e}" for e in errors]
+        if more:
+            lines.append(f"{path}: ... and {more} more errors")
+        super().__init__("\n".join(lines) if lines else f"{path}: bad trace")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceJob:
+    """One job to replay. `duration_s` is its run time when it gets exactly what it asked for.
+
+    `flexible` marks a share that came from a fractional Alibaba pod: the gpusched policy may serve
+    it with a MIG profile instead (policies.py), because the pod asked for "a fraction of a GPU",
+    not for MPS specifically.
+    """
+
+    name: str
+    submit_s: float
+    duration_s: float
+    user: str
+    request: Request
+    line: int
+    job_class: Literal["batch", "interactive"] = "batch"
+    weight: int | None = None
+    time_limit_s: float | None = None
+    requeue: bool = False
+    precision: Literal["fp16", "bf16", "fp32", "tf32"] | None = None
+    flexible: bool = False
+
+    @property
+    def gpu_demand(self) -> float:
+        """GPUs' worth of compute this job asks for (whole N -> N, share f -> f, MIG -> 1/7 per slice)."""
+        req = self.request
+        if isinstance(req, WholeRequest):
+            return float(req.gpus)
+        if isinstance(req, ShareRequest):
+            return req.fraction
+        return int(req.profile.split("g", 1)[0]) / 7
+
+
+@dataclass(slots=True)
+class Trace:
+    """Parsed jobs in submission order, plus what was left out and why."""
+
+    path: str
+    format: TraceFormat
+    jobs: list[TraceJob]
+    skipped: Counter[str] = field(default_factory=Counter)  # reason -> rows
+    time_scale: float = 1.0  # arrival times were multiplied by this (--load)
+    times_from: str | None = None  # pod list the arrival and run times were borrowed from (--times-from)
+    times_matched: int = 0  # rows that took the times of the pod of the same name there
+    times_drawn: int = 0  # rows with no such pod, given the times of a pod drawn by hash
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def weights(self) -> dict[str, int]:
+        """User -> weight given in the trace (CSV `weight` column)."""
+        return {j.user: j.weight for j in self.jobs if j.weight is not None}
+
+    def users(self) -> list[str]:
+        return sorted({j.user for j in self.jobs})
+
+
+def read_rows(path: str, limit: int | None) -> Iterator[tuple[int, dict[str, str]]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None:
+            return
+        reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        for n, row in enumerate(reader):
+            if limit is not None and n >= limit:
+                return
+            yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k is not None}
+
+
+class RowErrors:
+    """Collects FieldErrors up to MAX_ERRORS and counts the rest."""
+
+    def __init__(self) -> None:
+        self.items: list[FieldError] = []
+        self.more = 0
+
+    def add(self, line: int, name: str, message: str) -> None:
+        if len(self.items) < MAX_ERRORS:
+            self.items.append(FieldError(line, name, message))
+        else:
+            self.more += 1
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+def number_field(errs: RowErrors, line: int, row: dict[str, str], name: str, *, minimum: float = 0.0,
+         strict: bool = False, required: bool = True) -> float | None:
+    text = row.get(name, "")
+    if text == "":
+        if required:
+            errs.add(line, name, "missing value")
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        errs.add(line, name, f"{text!r} is not a number")
+        return None
+    if not math.isfinite(value) or value < minimum or (strict and value <= minimum):
+        errs.add(line, name, f"{text} must be {'>' if strict else '>='} {minimum:g}")
+        return None
+    return value
+
+
+def offered_demand(jobs: Iterable[TraceJob]) -> float:
+    """GPU-seconds the jobs ask for at their requested sizes."""
+    return sum(j.gpu_demand * j.duration_s for j in jobs)
+
+
+def scale_to_load(trace: Trace, load: float, gpus: int) -> Trace:
+    """Stretch or compress arrival times so offered demand / (gpus x arrival span) = `load`.
+
+    The Alibaba trace comes from a ~6,000-GPU cluster; replaying it on one node at its own arrival
+    rate would be meaningless, so the arrival span is rescaled (durations are kept).
+    """
+    if len(trace.jobs) < 2:
+        return trace
+    t0 = trace.jobs[0].submit_s
+    span = trace.jobs[-1].submit_s - t0
+    demand = offered_demand(trace.jobs)
+    if span <= 0 or demand <= 0:
+        return trace
+    scale = demand / (gpus * load) / span
+    jobs = [_moved(j, t0 + (j.submit_s - t0) * scale) for j in trace.jobs]
+    return replace(trace, jobs=jobs, time_scale=trace.time_scale * scale)
+
+
+def _moved(job: TraceJob, submit: float) -> TraceJob:
+    return replace(job, submit_s=submit)
