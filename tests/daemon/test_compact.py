@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,52 +62,48 @@ def test_a_loaded_job_is_the_job_validation_would_build(tmp_path_factory, spec: 
         store.close()
 
 
-def test_jobs_with_the_same_spec_share_it_and_different_specs_share_their_parts(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    store = Store(str(tmp_path / "state.db"))
+@pytest.fixture
+def store(tmp_path):  # type: ignore[no-untyped-def]
+    """A store in tmp_path (its database `state.db`, which a test may open again), closed afterwards."""
+    opened = Store(str(tmp_path / "state.db"))
+    yield opened
+    opened.close()
+
+
+def test_jobs_with_the_same_spec_share_it_and_different_specs_share_their_parts(store, tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {"PATH": "/usr/bin", "HOME": "/home/alice"}
     same = JobSpec(argv=["train.py"], cwd="/work", env=dict(env), request=WholeRequest(gpus=1))
     other = JobSpec(argv=["train.py", "--lr", "3"], cwd="/work", env=dict(env), request=WholeRequest(gpus=1))
-    try:
-        a, b, c = (store.submit(uid=1000, gid=1000, user="alice", spec=s, now=1.0) for s in (same, same, other))
-        assert a.spec is b.spec
-        assert a.spec is not c.spec and a.spec.env is c.spec.env and a.spec.request is c.spec.request
-        assert a.spec.cwd is c.spec.cwd
-        # A restart loads them with the same sharing.
-        loaded = Store(str(tmp_path / "state.db")).jobs_in([JobState.PENDING])
-        assert loaded[0].spec is loaded[1].spec and loaded[0].spec.env is loaded[2].spec.env
-    finally:
-        store.close()
+    a, b, c = (store.submit(uid=1000, gid=1000, user="alice", spec=s, now=1.0) for s in (same, same, other))
+    assert a.spec is b.spec
+    assert a.spec is not c.spec and a.spec.env is c.spec.env and a.spec.request is c.spec.request
+    assert a.spec.cwd is c.spec.cwd
+    # A restart loads them with the same sharing.
+    loaded = Store(str(tmp_path / "state.db")).jobs_in([JobState.PENDING])
+    assert loaded[0].spec is loaded[1].spec and loaded[0].spec.env is loaded[2].spec.env
 
 
-def test_a_copy_never_changes_what_other_jobs_share(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_copy_never_changes_what_other_jobs_share(store) -> None:  # type: ignore[no-untyped-def]
     """Constructed jobs share one fields-set object; pydantic must copy it before changing it."""
-    store = Store(str(tmp_path / "state.db"))
-    try:
-        job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
-            gpus=1)), now=1.0)
-        before = set(compact._JOB_SET)
-        job.model_copy(update={"pid": 7})
-        assert before == compact._JOB_SET
-        assert job.pid is None
-    finally:
-        store.close()
+    job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
+        gpus=1)), now=1.0)
+    before = set(compact._JOB_SET)
+    job.model_copy(update={"pid": 7})
+    assert before == compact._JOB_SET
+    assert job.pid is None
 
 
-def test_a_spec_stored_by_an_older_version_goes_through_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    store = Store(str(tmp_path / "state.db"))
-    try:
-        job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
-            gpus=2)), now=1.0)
-        old = json.loads(job.spec.model_dump_json())
-        del old["precision"], old["cpus"]  # fields this version added
-        store._db.execute("UPDATE jobs SET spec = ? WHERE id = ?", (json.dumps(old), job.id))
-        fresh = Store(str(tmp_path / "state.db"))
-        loaded = fresh.get(job.id)
-        assert loaded is not None and loaded.spec.precision is None and loaded.spec.cpus is None
-        assert loaded == _validated(loaded)
-        fresh.close()
-    finally:
-        store.close()
+def test_a_spec_stored_by_an_older_version_goes_through_validation(store, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    job = store.submit(uid=1000, gid=1000, user="alice", spec=JobSpec(argv=["x"], cwd="/", request=WholeRequest(
+        gpus=2)), now=1.0)
+    old = json.loads(job.spec.model_dump_json())
+    del old["precision"], old["cpus"]  # fields this version added
+    store._db.execute("UPDATE jobs SET spec = ? WHERE id = ?", (json.dumps(old), job.id))
+    fresh = Store(str(tmp_path / "state.db"))
+    loaded = fresh.get(job.id)
+    assert loaded is not None and loaded.spec.precision is None and loaded.spec.cpus is None
+    assert loaded == _validated(loaded)
+    fresh.close()
 
 
 def test_the_sharing_tables_are_bounded() -> None:

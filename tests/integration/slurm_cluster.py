@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # this file also runs as a script (restart), where tests.conf
 
 T = TypeVar("T")
 
+# Why the cluster tests skip when not root (each test module's `pytestmark` reads these).
+NOT_ROOT = os.geteuid() != 0
+ROOT_REASON = "a Slurm cluster needs root (slurmd runs jobs as their users; simulated device files need mknod)"
+
 INSTALL_HINT = "apt-get install -y --no-install-recommends slurm-wlm munge"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "squeue")
 USER = "gpusched-slurm"  # the ordinary user jobs are submitted as (created if missing, removed after)

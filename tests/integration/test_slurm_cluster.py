@@ -26,8 +26,7 @@ from tests.integration.slurm_cluster import (
     wait_for,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a Slurm cluster needs root (slurmd runs jobs as "
-                                "their users; simulated device files need mknod)")
+pytestmark = pytest.mark.skipif(slurm_cluster.NOT_ROOT, reason=slurm_cluster.ROOT_REASON)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ MPS control daemon, which stops when the last one ends.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from tests.integration.slurm_cluster import (
     wait_for,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a Slurm cluster needs root (slurmd runs jobs as "
-                                "their users; simulated device files need mknod)")
+pytestmark = pytest.mark.skipif(slurm_cluster.NOT_ROOT, reason=slurm_cluster.ROOT_REASON)
 
 
 @pytest.fixture(scope="module")
