@@ -15,7 +15,7 @@ Rules, in order of preference (each a tie-breaker for the one before):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from gpusched.construct import construct, fields_of
@@ -44,7 +44,7 @@ class Cluster(ClusterState):
 
     # ---- proposals -----------------------------------------------------------------------
     def place(self, job: Job, forbidden: AbstractSet[str] = frozenset(), *,
-              mps_any_uid: bool = False, only: Iterable[str] | None = None) -> Allocation | None:
+              mps_any_uid: bool = False, only: Collection[str] | None = None) -> Allocation | None:
         """The best allocation for the job on what is free now, or None. Changes nothing.
 
         `forbidden` devices are not considered (e.g. devices reserved for interactive jobs), nor,
@@ -73,6 +73,9 @@ class Cluster(ClusterState):
                 # it found no room before and only these devices have room they did not have then
                 # (the pickers' choice does not depend on the order they see devices in: every
                 # key ends in a unique index or uuid; the devices' order is kept all the same)
+                if len(freed) == 1 and not self._fits_one(freed, job, req, forbidden, mps_any_uid):
+                    memo.answers[key] = None  # the usual re-ask after an end: still no room
+                    return None
                 alloc = self._place(job, req, forbidden, mps_any_uid, self._pool(freed))
             else:
                 alloc = self._place(job, req, forbidden, mps_any_uid)
@@ -80,9 +83,26 @@ class Cluster(ClusterState):
             return alloc
         return self._place(job, req, forbidden, mps_any_uid)
 
-    def _pool(self, uuids: Iterable[str]) -> list[DeviceUse]:
+    def _fits_one(self, uuids: Collection[str], job: Job, req: Request, forbidden: AbstractSet[str],
+                  mps_any_uid: bool) -> bool:
+        """Would the one-device request fit on this one device? What the pickers below test for a
+        pool of one, without building the pool or the allocation."""
+        (uuid,) = uuids
+        d = self.devices.get(uuid)
+        if d is None or uuid in forbidden or uuid not in self._index:
+            return False
+        if isinstance(req, ShareRequest):
+            return _share_fits(d, req.fraction, req.gpu_mem_mib, job.uid, any_uid=mps_any_uid)
+        if isinstance(req, MigRequest):
+            return d.kind == "mig" and d.profile == req.profile and d.idle
+        return d.kind == "gpu" and d.idle
+
+    def _pool(self, uuids: Collection[str]) -> list[DeviceUse]:
         """These devices, in the cluster's order."""
         index = self._index
+        if len(uuids) == 1:  # the usual case: one job's or one release's device
+            (only,) = uuids
+            return [self.devices[only]] if only in index else []
         return [self.devices[u] for u in sorted((u for u in uuids if u in index), key=index.__getitem__)]
 
     def _place(self, job: Job, req: Request, forbidden: AbstractSet[str], mps_any_uid: bool,

@@ -46,9 +46,17 @@ def choose_victims(cluster: Cluster, candidates: Sequence[Candidate],
 
     Greedy in rank order until it fits, then each victim that turns out not to be needed is spared.
     """
+    ranked = sorted(candidates, key=lambda c: (c.rank, c.job_id))
+    # Stopping more only frees more, so if stopping them all does not make room, no prefix does:
+    # the usual answer (nothing to preempt) costs one placement instead of one per candidate.
+    sim = cluster.copy()
+    for cand in ranked:
+        _free(sim, cand)
+    if not fits(sim):
+        return None
     sim = cluster.copy()
     taken: list[Candidate] = []
-    for cand in sorted(candidates, key=lambda c: (c.rank, c.job_id)):
+    for cand in ranked:
         _free(sim, cand)
         taken.append(cand)
         if fits(sim):

@@ -7,8 +7,7 @@ scheduler.py composes the parts (sched_sync, sched_mig, sched_preempt, sched_exp
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,7 +47,50 @@ def unsatisfiable_reason(
 
 
 Candidate = tuple[Job, tuple[object, ...]]  # a pending job and its _signature
+# What the blocked head's reservation is worked out from, kept until first read (sched_reserve.py):
+# the placement view, the head, now, the reserved devices, the view's fingerprint, MIG claims.
+ReserveArgs = tuple[Cluster, Job, float, frozenset[str], tuple[object, ...], frozenset[str]]
 ScanEntry = tuple[int, list[Candidate], frozenset[int], list[Candidate]]
+
+
+@dataclass(frozen=True, slots=True)
+class FailMemo:
+    """The signatures that found no room by the end of a pass, and what they were asked under.
+
+    The next pass takes them as failed when the view is the same (fingerprint, head), or, on the
+    same view object, all but those that fit on a device freed since `mark` (sched_scan.py)."""
+
+    fingerprint: tuple[object, ...]
+    reserved: frozenset[str]
+    doomed: frozenset[str]
+    head_id: int
+    fails: frozenset[object]
+    cluster: Cluster
+    mark: int  # cluster.free_mark() then
+
+
+# user -> (queue version, signatures tried, MIG profiles they asked for) in a pass (sched_scan.py)
+UserMemo = dict[str, tuple[int, frozenset[object], tuple[str, ...]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """One user's backfill candidates read once: what most passes need of them is that all fail."""
+
+    firsts: tuple[Candidate, ...]  # the first job of each signature, in order
+    sigs: frozenset[object]
+    mig_profiles: tuple[str, ...]  # the profile of each MIG candidate, in order (creation demand)
+    blocked: dict[int, None]  # every candidate's id, for _blocked (did not fit)
+
+    @classmethod
+    def of(cls, cands: list[Candidate]) -> Shapes:
+        firsts: dict[object, Candidate] = {}
+        for cand in cands:
+            firsts.setdefault(cand[1], cand)
+        return cls(tuple(firsts.values()), frozenset(firsts),
+                   tuple(str(sig[1]) for _, sig in cands if sig[0] == "m"),
+                   dict.fromkeys(job.id for job, _ in cands))
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +192,7 @@ class SchedulerCore:
     _started_at_first_plan: float | None
     _blocked: dict[int, str | None]
     _reservation: _Reservation | None
+    _reserve_args: ReserveArgs | None
     _last_now: float
     _last_pending: tuple[Job, ...] | None
     _pending_since: dict[int, float]
@@ -162,6 +205,7 @@ class SchedulerCore:
     _reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None  # key -> (release index, devices)
     # user -> (queue version, first per_user_scan jobs, ids of the first per_user_scan + 1, those jobs)
     _scan: dict[str, ScanEntry]
+    _shapes: dict[str, tuple[list[Candidate], Shapes]]  # a user's candidates and what backfill reads of them
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]
     _headroom: frozenset[str]
@@ -170,8 +214,8 @@ class SchedulerCore:
     _no_checkpoint: set[int]
     _yielded_for: dict[int, int]
     _no_victims: object
-    _fail_memo: tuple[object, frozenset[object]]
-    _user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]]
+    _fail_memo: FailMemo | None
+    _user_memo: UserMemo
 
     def _unsat(self, job: Job) -> str | None:
         req = job.spec.request
@@ -181,7 +225,7 @@ class SchedulerCore:
         return self._fail_cache[req]
 
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
-               claimed: frozenset[str] = frozenset(), only: AbstractSet[str] | None = None) -> Allocation | None:
+               claimed: frozenset[str] = frozenset(), only: Collection[str] | None = None) -> Allocation | None:
         """Place with the pass's exclusions: interactive-only devices, instances the head claimed.
 
         `only` narrows the devices like `reserved` does (everything else counts as reserved), so an

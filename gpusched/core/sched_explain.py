@@ -6,11 +6,11 @@ from __future__ import annotations
 import bisect
 import math
 
-from gpusched.core.sched_core import SchedulerCore
+from gpusched.core.sched_reserve import ReservationMixin
 from gpusched.model import describe_request
 
 
-class ExplainMixin(SchedulerCore):
+class ExplainMixin(ReservationMixin):
     """Expected starts and ends, fairness order, explanations."""
 
     def expected_end(self, job_id: int) -> float | None:
@@ -81,7 +81,7 @@ class ExplainMixin(SchedulerCore):
         parts.append(blocked)
         parts.append(standing)
         parts.append(f"{ahead} job(s) ahead by fairness")
-        res = self._reservation
+        res = self._head_reservation()
         if res is not None and res.job_id == job_id and math.isfinite(res.at):
             parts.append(f"expected to start in about {res.at - self._last_now:.0f} s")
         return "; ".join(parts)

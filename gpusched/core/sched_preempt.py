@@ -15,14 +15,16 @@ from gpusched.core.actions import (
 from gpusched.core.interactive import choose_headroom
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import Candidate, choose_victims
-from gpusched.core.sched_core import SchedulerCore
+from gpusched.core.sched_reserve import ReservationMixin
 from gpusched.model import (
     Allocation,
     Job,
+    ShareRequest,
+    WholeRequest,
 )
 
 
-class PreemptionMixin(SchedulerCore):
+class PreemptionMixin(ReservationMixin):
     """Victims, suspend/resume in place, pins, headroom."""
 
     def pin(self, job_id: int, uuids: Iterable[str]) -> None:
@@ -90,11 +92,11 @@ class PreemptionMixin(SchedulerCore):
                 return []
         else:
             bound = self.config.preempt_after_s
-            res = self._reservation
             if bound is None or waited < bound or self.fair.lag(job.user) <= 0:
                 return []  # a batch job of a user at or above share waits its turn
-            if res is None or res.at - now <= self.config.preempt_min_gain_s:
-                return []  # running jobs will make room soon enough without losing work
+        # A share suspended in place keeps its memory and its slot, so its device never becomes
+        # idle: it can make room only for another share, never for a whole GPU or a MIG instance.
+        suspend_helps = isinstance(job.spec.request, ShareRequest)
         my_lag = self.fair.lag(job.user)
         margin = self.config.preempt_lag_margin_gpu_s
         cap = self.config.preempt_max_per_job
@@ -118,7 +120,8 @@ class PreemptionMixin(SchedulerCore):
             share = rec.alloc.share is not None and rec.running
             if share and self.config.preempt_suspend_shares and any(
                     (d := cluster.devices.get(u)) is not None and d.shared for u in rec.alloc.uuids):
-                cands.append(Candidate(jid, "suspend", (0, lag, -rec.started), 0.0))
+                if suspend_helps:
+                    cands.append(Candidate(jid, "suspend", (0, lag, -rec.started), 0.0))
             elif checkpoint and whole and rec.running and jid not in self._no_checkpoint:
                 cands.append(Candidate(jid, "checkpoint", (0, lag, -rec.started), 0.0))
             elif rec.requeue and self._budget.left(rec.user, now) >= lost:
@@ -130,6 +133,13 @@ class PreemptionMixin(SchedulerCore):
         memo_key = (cluster.fingerprint(), job.id, reserved, tuple(sorted((c.job_id, c.mode) for c in cands)))
         if self._no_victims == memo_key:
             return []
+        if self._hopeless(cluster, job, cands, reserved):
+            self._no_victims = memo_key
+            return []
+        if not interactive:  # (read after the cheaper reasons not to preempt: it costs the most)
+            res = self._head_reservation()
+            if res is None or res.at - now <= self.config.preempt_min_gain_s:
+                return []  # running jobs will make room soon enough without losing work
         victims = choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None)
         if not victims:
             self._no_victims = memo_key
@@ -152,6 +162,30 @@ class PreemptionMixin(SchedulerCore):
                 f"{waited:.0f} s); {rec.user} is {-self.fair.lag(rec.user) / 3600:.2f} GPU-h above share"),
                 cand.mode))
         return out
+
+    def _hopeless(self, cluster: Cluster, job: Job, cands: list[Candidate], reserved: frozenset[str]) -> bool:
+        """Would the job find no room even with every candidate stopped? Read off the devices for
+        whole-GPU and MIG requests (they need idle devices: one is idle once everything on it is
+        released; a share suspended in place stays on its device); False (ask) for shares.
+
+        choose_victims answers the same by releasing the candidates on a copy and placing, which
+        copies every device they hold: most searches find nothing, pass after pass."""
+        req = job.spec.request
+        if isinstance(req, ShareRequest):
+            return False
+        released = {c.job_id for c in cands if c.mode != "suspend"}
+        forbidden = self._forbidden(cluster, job, reserved)
+        found = 0
+        need = req.gpus if isinstance(req, WholeRequest) else 1
+        for d in cluster.devices.values():
+            if d.uuid in forbidden or (d.kind != "gpu" if isinstance(req, WholeRequest)
+                                       else d.kind != "mig" or d.profile != req.profile):
+                continue
+            if (d.holder is None or d.holder in released) and all(jid in released for jid in d.clients):
+                found += 1
+                if found >= need:
+                    return False
+        return True
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
         """Devices kept for interactive work this pass (core/interactive.py)."""

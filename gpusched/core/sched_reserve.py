@@ -13,6 +13,23 @@ from gpusched.model import Job, WholeRequest
 class ReservationMixin(SchedulerCore):
     """The head's reservation, memoised by what decides it."""
 
+    def _head_reservation(self) -> _Reservation | None:
+        """The blocked head's reservation this pass, worked out on first read.
+
+        Most passes never read it (nothing fits to backfill, preemption is not due), and it cost a
+        seventh of a pass. Reading it later gives what reading it when the head blocked would: the
+        view does not change before the first backfill start, which reads it first.
+        """
+        args = self._reserve_args
+        if args is not None:
+            self._reserve_args = None
+            cluster, job, now, reserved, fingerprint, doomed = args
+            res = self._reserve(cluster, job, now, reserved, fingerprint)
+            if doomed:
+                res.uuids = res.uuids | doomed
+            self._reservation = res
+        return self._reservation
+
     def _reserve(self, cluster: Cluster, job: Job, now: float, reserved: frozenset[str],
                  fingerprint: tuple[object, ...]) -> _Reservation:
         """When would the blocked head fit, releasing active jobs in order of their expected end?
@@ -46,13 +63,14 @@ class ReservationMixin(SchedulerCore):
                                                  [jid for _, jid in ends])
             return (found[0], frozenset(d.uuid for d in found[1])) if found is not None else (None, frozenset())
         sim = cluster.copy()
-        # A one-device request that does not fit now can fit only on a device a release touched:
-        # try those alone (a 1g job, once 30 jobs end one by one, is 30 small placements, not 30 full ones).
-        freed: set[str] = set()
+        # A one-device request that does not fit now can fit only on a device a release touched, and
+        # after the release of one job only on that job's devices: every other device is as it was
+        # when the request last failed on it (a 1g job, once 30 jobs end one by one, is 30 placements
+        # on one device each, not 30 full ones).
         for index, (_, jid) in enumerate(ends):
-            freed.update(sim.devices_of(jid))
+            touched = sim.devices_of(jid)
             sim.release(jid)
-            alloc = self._place(sim, job, reserved, only=freed)
+            alloc = self._place(sim, job, reserved, only=touched)
             if alloc is not None:
                 return index, frozenset(alloc.uuids)
         return None, frozenset()

@@ -15,7 +15,6 @@ failed goes back to PENDING and simply reappears in `snapshot.pending`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpusched.core.actions import (
@@ -38,8 +37,13 @@ from gpusched.core.placement import Cluster
 from gpusched.core.preempt import LossBudget
 from gpusched.core.queue import RunQueue, request_fraction
 from gpusched.core.sched_core import (
+    Candidate,
+    FailMemo,
+    ReserveArgs,
     ScanEntry,
     SchedulerConfig,
+    Shapes,
+    UserMemo,
     _Active,
     _Reservation,
     unsatisfiable_reason,
@@ -47,11 +51,10 @@ from gpusched.core.sched_core import (
 from gpusched.core.sched_explain import ExplainMixin
 from gpusched.core.sched_mig import MigMixin
 from gpusched.core.sched_preempt import PreemptionMixin
-from gpusched.core.sched_reserve import ReservationMixin
+from gpusched.core.sched_scan import ScanMixin
 from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
-    Allocation,
     Job,
     JobState,
     MigRequest,
@@ -76,7 +79,7 @@ __all__ = [
 ]
 
 
-class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainMixin):
+class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
     """Fair share (EEVDF over users) + placement + dynamic MIG + backfill + preemption.
 
     The daemon calls, in this order of life:
@@ -115,6 +118,7 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
         # needs is worded only when someone asks (against the pass's final placement state)
         self._blocked: dict[int, str | None] = {}
         self._reservation: _Reservation | None = None
+        self._reserve_args: ReserveArgs | None = None
         self._last_now = 0.0
         self._last_pending: tuple[Job, ...] | None = None  # identity fast path for an unchanged tuple
         self._pending_since: dict[int, float] = {}  # when a job (last) became pending, for waits
@@ -130,6 +134,7 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
         self._reserve_memo: tuple[object, tuple[int | None, frozenset[str]]] | None = None
         # what backfill scans of each user, kept until their queue changes (sched_core._candidates)
         self._scan: dict[str, ScanEntry] = {}
+        self._shapes: dict[str, tuple[list[Candidate], Shapes]] = {}  # what of _scan backfill needs
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
@@ -139,9 +144,9 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
         self._yielded_for: dict[int, int] = {}  # share suspended in place -> the job it stopped for
         self._no_victims: object = None  # the last victim search that found none (see _preempt)
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
-        self._fail_memo: tuple[object, frozenset[object]] = ((), frozenset())
+        self._fail_memo: FailMemo | None = None
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
-        self._user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]] = {}
+        self._user_memo: UserMemo = {}
 
     def export_standing(self) -> dict[str, dict[str, float]]:
         """Per-user lag / v / service as plain data, for the store.
@@ -226,12 +231,13 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
         actions.extend(self._resume_yielded(cluster, snapshot.yielded))
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
+        self._reserve_args = None
         head: Job | None = None
         fails: set[object] = set()
         mig_demand: list[str] = []
         doomed: frozenset[str] = frozenset()  # idle instances the head's MIG reconfiguration needs
         remembered = False  # fails were carried over from the last pass (nothing freed since)
-        user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]] = {}
+        user_memo: UserMemo = {}
         scanned = 0
         try:
             while scanned <= self.config.max_scan:
@@ -254,16 +260,18 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
                     if isinstance(job.spec.request, MigRequest):
                         mig_demand.append(job.spec.request.profile)
                     fingerprint = cluster.fingerprint()  # what is held while the head blocks
-                    self._reservation = self._reserve(cluster, job, now, reserved, fingerprint)
                     doomed = self._mig_claim(snapshot, job)
-                    if doomed:
-                        self._reservation.uuids = self._reservation.uuids | doomed
+                    # worked out when first read (sched_reserve.py): most passes never need it
+                    self._reserve_args = (cluster, job, now, reserved, fingerprint, doomed)
                     self._blocked[job.id] = "next by fairness; " + self._need(job, cluster)
-                    memo_key, memo_fails = self._fail_memo
-                    if memo_fails and memo_key == (fingerprint, reserved, doomed, job.id):
-                        fails |= memo_fails  # nothing was freed since they failed: they fail again
-                        remembered = True
-                        self._park_remembered(head, fails, user_memo, mig_demand)
+                    memo = self._fail_memo
+                    if memo is not None and memo.reserved == reserved and memo.doomed == doomed:
+                        if memo.head_id == job.id and memo.fingerprint == fingerprint:
+                            fails |= memo.fails  # nothing was freed since they failed: they fail again
+                            remembered = True
+                            self._park_remembered(head, fails, user_memo, mig_demand)
+                        elif memo.cluster is cluster:
+                            fails |= self._still_failing(cluster, memo)
                     if not self.config.backfill:
                         break
                     # The head's own user is not parked: their other jobs may backfill too (a MIG job
@@ -273,38 +281,14 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
                     break
                 if remembered and self._park_if_remembered(user, fails, user_memo, mig_demand):
                     continue
-                version = self.queue.version(user)
-                started = False
-                tried: set[object] = set()
-                wanted: list[str] = []
-                for job, sig in self._candidates(user, version, head.id):
-                    scanned += 1
-                    tried.add(sig)
-                    alloc = None if sig in fails else self._place(cluster, job, reserved, doomed)
-                    if alloc is None:
-                        fails.add(sig)
-                        if sig[0] == "m":  # a MIG request: ("m", profile, class), see _signature
-                            profile = str(sig[1])
-                            wanted.append(profile)
-                            if len(mig_demand) < self.config.max_mig_demand:
-                                mig_demand.append(profile)
-                        self._blocked[job.id] = None
-                        continue
-                    ok, why = self._backfill_ok(job, alloc, now)
-                    if ok:
-                        actions.append(self._start(cluster, job, alloc, now, why))
-                        started = True
-                        break
-                    self._blocked[job.id] = why
-                    tried.add(("backfill", job.id))  # a placement that fits is never a memo hit
-                if not started:
-                    user_memo[user] = (version, frozenset(tried), tuple(wanted))
-                    self.queue.park(user)
+                scanned += self._backfill_user(cluster, user, head.id, reserved, doomed, fails, mig_demand, now,
+                                               actions, user_memo)
         finally:
             self.queue.unpark_all()
         self._cluster = cluster  # what is held after this pass: `expected_start` plays forward from it
-        self._fail_memo = (((cluster.fingerprint(), reserved, doomed, head.id), frozenset(fails))
-                           if fails and head is not None else ((), frozenset()))
+        self._fail_memo = (FailMemo(cluster.fingerprint(), reserved, doomed, head.id, frozenset(fails), cluster,
+                                    cluster.free_mark())
+                           if fails and head is not None else None)
         self._user_memo = user_memo
 
         mig_actions = self._plan_mig(snapshot, cluster, mig_demand, doomed, now)
@@ -356,74 +340,3 @@ class Scheduler(SyncMixin, ReservationMixin, MigMixin, PreemptionMixin, ExplainM
         for jid in want.keys() - have:
             self.submit(want[jid])
 
-    def _start(self, cluster: Cluster, job: Job, alloc: Allocation, now: float, reason: str) -> StartJob:
-        cluster.commit(job, alloc)
-        self._interactive_pending.pop(job.id, None)
-        self._pinned.pop(job.id, None)
-        if self._head_id == job.id:
-            self._head_id = None
-        predicted = self.queue.expected_of(job)
-        self.queue.remove(job.id, rekey=False)  # _sync_user below re-keys them, charged
-        self._pending_since.pop(job.id, None)
-        rec = _Active(job.user, job.uid, alloc.compute_fraction, now, True, job.spec.requeue, now, job, alloc,
-                      predicted)
-        rec.committed = self.fair.commitment(request_fraction(job.spec.request), predicted)
-        self._active[job.id] = rec
-        self._count_running(rec, +1)
-        self.fair.charge(job.user, 0.0, virtual_gpu_s=rec.committed)
-        self._outstanding(job.user, rec.committed)
-        self._sync_user(job.user)
-        return StartJob(job.id, alloc, reason, predicted)
-
-    def _backfill_ok(self, job: Job, alloc: Allocation, now: float) -> tuple[bool, str]:
-        """May `job` start in a hole without delaying the fairness head's reserved start?"""
-        res = self._reservation
-        if res is None:
-            return True, self._fair_reason(job)
-        limit = job.spec.time_limit_s
-        if not res.served_by_ends:
-            return True, f"backfill: job {res.job_id}, next by fairness, does not wait for running jobs"
-        if not (set(alloc.uuids) & res.uuids):
-            return True, f"backfill: uses no device reserved for job {res.job_id}"
-        head_waited = now - self._pending_since.get(res.job_id, now)
-        if head_waited < self.config.reserve_after_s:
-            return True, (f"backfill: job {res.job_id}, next by fairness, has waited {head_waited:.0f} s, less than "
-                          f"reserve_after_s = {self.config.reserve_after_s:.0f} s")
-        if math.isfinite(res.at):
-            if limit is not None and now + limit <= res.at:
-                return True, f"backfill: time limit ends before job {res.job_id}'s reserved start"
-            expected = self.queue.expected_of(job)
-            if now + expected <= res.at:
-                return True, (f"backfill: expected to end ({expected:.0f} s) before job {res.job_id}'s reserved "
-                              f"start in {res.at - now:.0f} s")
-            return False, (f"would delay job {res.job_id}, next by fairness, reserved to start in "
-                           f"{res.at - now:.0f} s")
-        if limit is not None and limit <= self.config.backfill_unknown_horizon_s:
-            return True, (f"backfill: job {res.job_id}'s start is unknown; time limit within "
-                          f"{self.config.backfill_unknown_horizon_s:.0f} s")
-        return False, (f"waiting behind job {res.job_id}, next by fairness (only jobs with a time limit "
-                       f"<= {self.config.backfill_unknown_horizon_s:.0f} s may backfill)")
-
-    def _park_remembered(self, head: Job, fails: set[object],
-                         user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]],
-                         mig_demand: list[str]) -> None:
-        """Park, in one sweep, every user whose candidates all failed last pass with nothing freed
-        or queued for them since; picking them one by one would rescan the order for each (O(u^2))."""
-        for user in self.queue.users():
-            if user != head.user:
-                self._park_if_remembered(user, fails, user_memo, mig_demand)
-
-    def _park_if_remembered(self, user: str, fails: set[object],
-                            user_memo: dict[str, tuple[int, frozenset[object], tuple[str, ...]]],
-                            mig_demand: list[str]) -> bool:
-        """Park the user if everything of theirs this pass would try failed last pass, and nothing
-        has been freed or queued for them since (their explanations from then still hold)."""
-        memo = self._user_memo.get(user)
-        if memo is None or memo[0] != self.queue.version(user) or not memo[1] <= fails:
-            return False
-        user_memo[user] = memo
-        for profile in memo[2]:  # their blocked MIG jobs still count as creation demand
-            if len(mig_demand) < self.config.max_mig_demand:
-                mig_demand.append(profile)
-        self.queue.park(user)
-        return True

@@ -15,8 +15,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpusched.core.actions import Action
 from gpusched.core.placement import Cluster
-from gpusched.core.sched_core import Candidate, _signature
+from gpusched.core.preempt import Candidate as PreemptCandidate
+from gpusched.core.preempt import choose_victims
+from gpusched.core.sched_core import Candidate, UserMemo, _signature
 from gpusched.core.scheduler import Scheduler, SchedulerConfig, Snapshot, _Reservation
 from gpusched.model import Job, JobState, WholeRequest
 
@@ -28,6 +31,8 @@ class CheckedScheduler(Scheduler):
     """Asserts each kept answer against a fresh one."""
 
     checks = 0
+    fail_checks = 0
+    hopeless_checks = 0
 
     def _cluster_for(self, snapshot: Snapshot) -> Cluster:
         kept = super()._cluster_for(snapshot)
@@ -76,6 +81,27 @@ class CheckedScheduler(Scheduler):
         assert [(j.id, s) for j, s in got] == [(j.id, s) for j, s in fresh]
         return got
 
+    def _backfill_user(self, cluster: Cluster, user: str, head_id: int, reserved: frozenset[str],
+                       doomed: frozenset[str], fails: set[object], mig_demand: list[str], now: float,
+                       actions: list[Action], user_memo: UserMemo) -> int:
+        # every signature taken as failed (asked this pass, or kept from the last one by
+        # _still_failing) finds no room when asked afresh, on a copy that memoises nothing
+        fresh = cluster.copy()
+        for cand_job, sig in self._candidates(user, self.queue.version(user), head_id):
+            if sig in fails and cand_job.id not in self._pinned:
+                assert self._place(fresh, cand_job, reserved, doomed) is None, (cand_job.id, sig)
+                CheckedScheduler.fail_checks += 1
+        return super()._backfill_user(cluster, user, head_id, reserved, doomed, fails, mig_demand, now,
+                                      actions, user_memo)
+
+    def _hopeless(self, cluster: Cluster, job: Job, cands: list[PreemptCandidate],
+                  reserved: frozenset[str]) -> bool:
+        got = super()._hopeless(cluster, job, cands, reserved)
+        if got:  # the search it spares would have found nothing
+            assert choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None) is None
+            CheckedScheduler.hopeless_checks += 1
+        return got
+
     def _sync_user(self, user: str) -> None:
         super()._sync_user(user)
         head = self.queue.head(user)
@@ -86,6 +112,19 @@ class CheckedScheduler(Scheduler):
 @settings(max_examples=12, deadline=None)
 @given(st.integers(0, 10**6))
 def test_kept_answers_equal_fresh_ones_through_a_random_workload(seed: int) -> None:
+    run_workload(seed)
+
+
+def test_the_workload_reaches_kept_failures_and_hopeless_searches() -> None:
+    """The checks above are not vacuous: seeds like these reach both shortcuts."""
+    before = (CheckedScheduler.fail_checks, CheckedScheduler.hopeless_checks)
+    for seed in range(4):
+        run_workload(seed)
+    assert CheckedScheduler.fail_checks > before[0]
+    assert CheckedScheduler.hopeless_checks > before[1]
+
+
+def run_workload(seed: int) -> None:
     rnd = random.Random(seed)
     mig = (instance(3, "3g.40gb", 0), instance(3, "2g.20gb", 4), instance(3, "1g.10gb", 6))
     gpus = [gpu(0, numa=0), gpu(1, numa=0), gpu(2, numa=1), gpu(3, mig=True, instances=mig, numa=1)]
@@ -118,3 +157,4 @@ def test_kept_answers_equal_fresh_ones_through_a_random_workload(seed: int) -> N
             node.submit(j, rnd.uniform(300, 30000))
         node.run_until(float(t + 2000), on_tick=learn)
     assert CheckedScheduler.checks > 0 and node.done  # it ran, and jobs came and went
+

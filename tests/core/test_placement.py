@@ -172,3 +172,28 @@ def test_whole_after_releases_answers_what_releasing_one_by_one_would(
     got = (found[0], frozenset(d.uuid for d in found[1])) if found is not None else None
     if c.place(head, forbidden=forbidden) is None:  # (the reservation is asked only then)
         assert got == expected
+
+
+def test_freed_since_names_the_devices_whose_usage_dropped() -> None:
+    """What the scheduler's kept failures rely on (sched_scan._still_failing): after a mark, the
+    log names every device a release freed; additions are not frees; an unknown change forgets."""
+    c = Cluster.build([gpu(0), gpu(1), gpu(2)], [])
+    for jid in (1, 2):
+        alloc = c.place(job(jid, gpus=1))
+        assert alloc is not None
+        c.commit(job(jid, gpus=1), alloc)
+    first = c.free_mark()
+    assert c.freed_since(first) == frozenset()
+    c.release(1)
+    after_one = c.free_mark()
+    alloc3 = c.place(job(3, gpus=1))
+    assert alloc3 is not None
+    c.commit(job(3, gpus=1), alloc3)  # an addition: nothing more is freed
+    assert c.freed_since(after_one) == frozenset()
+    assert c.freed_since(first) == {"GPU-0000"}
+    c.release(2)
+    assert c.freed_since(first) == {"GPU-0000", "GPU-0001"}
+    assert c.freed_since(after_one) == {"GPU-0001"}
+    c.invalidate(None)  # changed anywhere: what was failing may fit anywhere
+    assert c.freed_since(first) is None and c.freed_since(after_one) is None
+    assert c.freed_since(c.free_mark()) == frozenset()
