@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = args.out or os.path.join(tempfile.mkdtemp(prefix="seed-story-"), "seed_story.csv")
     write_trace(path)
-    report = run_replay(path, gpus=GPUS, config_path=args.config)
+    report = run_replay(path, gpus=GPUS, config_path=args.config, freeze_trace=True)
     if args.json:
         for s in report.summaries:
             print(json.dumps(s))

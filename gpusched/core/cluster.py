@@ -16,7 +16,7 @@ user is placed there only when the caller allows it, `mps_any_uid`: those server
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Self
 
@@ -271,19 +271,21 @@ class ClusterState:
             return since[0]
         return frozenset().union(*since)
 
-    def _could_help(self, uuids: Iterable[str]) -> Callable[[tuple[object, ...]], bool]:
-        """Which placement questions (keys as in place()) devices freed here could answer: shares
-        need a shared device, whole requests a GPU with MIG off, MIG requests their profile."""
-        devices = [self.devices[u] for u in uuids if u in self.devices]
-        shared = any(d.shared for d in devices)
-        whole = any(d.kind == "gpu" for d in devices)
-        profiles = {d.profile for d in devices if d.kind == "mig"}
-
-        def helps(key: tuple[object, ...]) -> bool:
-            kind = key[0]
-            return (shared if kind == "s" else whole) if kind != "m" else key[1] in profiles
-
-        return helps
+    def _could_help(self, uuids: Iterable[str]) -> frozenset[object]:
+        """Which kinds of placement question (place_memo.kind_of) devices freed here could answer:
+        shares need a shared device, whole requests a GPU with MIG off, MIG requests their profile."""
+        kinds: set[object] = set()
+        for u in uuids:
+            d = self.devices.get(u)
+            if d is None:
+                continue
+            if d.shared:
+                kinds.add("s")
+            if d.kind == "gpu":
+                kinds.add("g")
+            else:
+                kinds.add(("m", d.profile))
+        return frozenset(kinds)
 
     def invalidate(self, devices: Iterable[str] | None = None) -> None:
         """cluster_sync changed these devices directly (None: any)."""

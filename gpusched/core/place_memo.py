@@ -6,62 +6,86 @@ kept until the usage changes; then:
 - usage only grew (a commit, a share resumed): a request that found no room still finds none, since
   every fit test only gets harder as devices fill up; answers that found room are dropped;
 - usage dropped on some devices (a release, a pause, a device replayed by cluster_sync): a request
-  that found no room can now fit only on those devices, so it is asked again there alone (`stale`
-  keeps which devices were freed since it failed). That holds for a request that needs one device;
-  one for several whole GPUs may combine freed and other idle ones, and is asked afresh.
+  that found no room can now fit only on those devices, so it is asked again there alone. That
+  holds for a request that needs one device; one for several whole GPUs may combine freed and other
+  idle ones, and is asked afresh.
+
+A free costs O(1): it is logged with the kinds of request its devices could take at all (a share
+never goes on a device that is not shared, say), and a failure is checked against the frees logged
+since it failed only when it is asked again. Rebuilding the table on every free cost a tenth of a
+pass once a few hundred questions had failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from gpusched.model import Allocation
 
 Key = tuple[object, ...]
-_LOG_MAX = 64  # frees remembered; past this, failures waiting to be asked again are forgotten (asked afresh)
+_LOG_MAX = 64  # frees remembered; past this, every failure is forgotten (asked afresh)
+
+
+def kind_of(key: Key) -> object:
+    """Which kind of device a question can be answered on: "s" (shared), "g" (whole GPU), or
+    ("m", profile) for a MIG profile (see Cluster.place for what a key holds)."""
+    kind = key[0]
+    return ("m", key[1]) if kind == "m" else kind
 
 
 class PlaceMemo:
     """Placement answers by question (see Cluster.place for what a key holds)."""
 
-    __slots__ = ("answers", "log", "stale")
+    __slots__ = ("base", "failed", "found", "helped", "log")
 
     def __init__(self) -> None:
-        self.answers: dict[Key, Allocation | None] = {}
-        # failed question -> index in `log` from which on the frees since it failed are
-        self.stale: dict[Key, int] = {}
-        self.log: list[frozenset[str]] = []  # the devices of each free, oldest first
+        self.found: dict[Key, Allocation] = {}  # questions that found room, until any change
+        self.failed: dict[Key, int] = {}  # question that found no room -> the log position then
+        # each free since `base`: its devices and the kinds of question they could answer
+        self.log: list[tuple[frozenset[str], frozenset[object]]] = []
+        self.base = 0  # log positions before this were forgotten
+        self.helped: dict[object, int] = {}  # kind -> position of the latest free that could help it
 
     def grew(self) -> None:
         """Usage was only added: failures hold, answers that found room may not."""
-        if self.answers:
-            self.answers = {k: a for k, a in self.answers.items() if a is None}
+        if self.found:
+            self.found = {}
 
-    def freed(self, uuids: Iterable[str] | None, helps: Callable[[Key], bool] | None = None) -> None:
-        """Usage may have dropped on these devices (None: anywhere, forget everything). `helps`
-        says which failed questions such devices could answer at all (default: every one): the
-        others keep their answer (a share never goes on a device that is not shared, say)."""
+    def freed(self, uuids: Iterable[str] | None, kinds: frozenset[object] = frozenset()) -> None:
+        """Usage may have dropped on these devices (None: anywhere, forget everything), which can
+        take questions of these `kinds` (kind_of) only."""
+        if self.found:
+            self.found = {}
         if uuids is None or len(self.log) >= _LOG_MAX:
-            self.stale, self.log = {}, []
+            self.failed = {}
+            self.base += len(self.log)
+            self.log = []
             if uuids is None:
-                self.answers = {}
                 return
-        epoch = len(self.log)
-        kept: dict[Key, Allocation | None] = {}
-        for key, answer in self.answers.items():
-            if answer is None:
-                if helps is None or helps(key):
-                    self.stale[key] = epoch
-                else:
-                    kept[key] = None
-        self.answers = kept
-        self.log.append(frozenset(uuids))
+        at = self.base + len(self.log)
+        for kind in kinds:
+            self.helped[kind] = at
+        self.log.append((frozenset(uuids), kinds))
 
-    def freed_since(self, key: Key) -> frozenset[str] | None:
-        """For a question that failed before the last frees: the devices freed since (None if it
-        is not such a question). Forgets it: the caller asks again and records the answer."""
-        epoch = self.stale.pop(key, None)
-        if epoch is None:
-            return None
-        log = self.log
-        return log[epoch] if epoch == len(log) - 1 else frozenset().union(*log[epoch:])
+    def lookup(self, key: Key) -> tuple[bool, Allocation | None, frozenset[str] | None]:
+        """(known, answer, devices to ask on). Known: the kept Allocation, or None when it found no
+        room and nothing freed since could help. Not known: ask on the devices freed since it failed
+        (frees that could help it), or, when those are None, everywhere; then `record` the answer."""
+        alloc = self.found.get(key)
+        if alloc is not None:
+            return True, alloc, None
+        at = self.failed.get(key)
+        if at is None:
+            return False, None, None
+        kind = kind_of(key)
+        if self.helped.get(kind, -1) < at:
+            return True, None, None  # nothing freed since it failed could take it
+        got = [uuids for uuids, kinds in self.log[at - self.base:] if kind in kinds]
+        return False, None, got[0] if len(got) == 1 else frozenset().union(*got)
+
+    def record(self, key: Key, alloc: Allocation | None) -> None:
+        if alloc is None:
+            self.failed[key] = self.base + len(self.log)
+        else:
+            self.found[key] = alloc
+            self.failed.pop(key, None)

@@ -66,20 +66,20 @@ class Cluster(ClusterState):
                 key = ("m", req.profile, job.spec.precision, forbidden)
             else:
                 key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
-            if key in memo.answers:
-                return memo.answers[key]
-            freed = memo.freed_since(key)
+            known, kept, freed = memo.lookup(key)
+            if known:
+                return kept
             if freed is not None and not (isinstance(req, WholeRequest) and req.gpus > 1):
                 # it found no room before and only these devices have room they did not have then
                 # (the pickers' choice does not depend on the order they see devices in: every
                 # key ends in a unique index or uuid; the devices' order is kept all the same)
                 if len(freed) == 1 and not self._fits_one(freed, job, req, forbidden, mps_any_uid):
-                    memo.answers[key] = None  # the usual re-ask after an end: still no room
+                    memo.record(key, None)  # the usual re-ask after an end: still no room
                     return None
                 alloc = self._place(job, req, forbidden, mps_any_uid, self._pool(freed))
             else:
                 alloc = self._place(job, req, forbidden, mps_any_uid)
-            memo.answers[key] = alloc
+            memo.record(key, alloc)
             return alloc
         return self._place(job, req, forbidden, mps_any_uid)
 

@@ -74,8 +74,9 @@ class RunQueue:
         self.fair = fair
         self._expected_of = expected or (lambda job: fair.config.batch_quantum_s)
         self._revision = revision
-        # user -> (head job, revision, weight, deadline - v): v moves on every charge, the rest rarely
-        self._offsets: dict[str, tuple[Job, int, float, float]] = {}
+        # user -> (head job, revision, weight, deadline - v, the head's expected run time then): v
+        # moves on every charge, the rest rarely
+        self._offsets: dict[str, tuple[Job, int, float, float, float]] = {}
         self._jobs: dict[int, Job] = {}
         self._keys: dict[int, JobKey] = {}
         self._users: dict[str, _UserQueue] = {}
@@ -184,19 +185,28 @@ class RunQueue:
             return self._deadline(user, head, v)
         revision, weight = self._revision(), self.fair.weight(user)
         cached = self._offsets.get(user)
-        if cached is not None and cached[0] is head and cached[1] == revision and cached[2] == weight:
-            return v + cached[3]
-        offset = self._offset(user, head)
-        self._offsets[user] = (head, revision, weight, offset)
+        if cached is not None and cached[0] is head and cached[2] == weight:
+            if cached[1] == revision:
+                return v + cached[3]
+            # something was learned, mostly about other jobs: the offset stands if the estimate does
+            expected = self._expected_of(head)
+            if expected == cached[4]:
+                self._offsets[user] = (head, revision, weight, cached[3], expected)
+                return v + cached[3]
+        else:
+            expected = self._expected_of(head)
+        offset = self._offset(user, head, expected)
+        self._offsets[user] = (head, revision, weight, offset, expected)
         return v + offset
 
     def _deadline(self, user: str, job: Job, v: float) -> float:
         return v + self._offset(user, job)
 
-    def _offset(self, user: str, job: Job) -> float:
+    def _offset(self, user: str, job: Job, expected_s: float | None = None) -> float:
         """What the job's request adds to v for its deadline: fraction·request_s·100/w."""
         fair = self.fair
-        request_s = fair.request_length(self._expected_of(job), job.spec.job_class)
+        expected = self._expected_of(job) if expected_s is None else expected_s
+        request_s = fair.request_length(expected, job.spec.job_class)
         return request_fraction(job.spec.request) * request_s * NICE0_WEIGHT / fair.weight(user)
 
     def rekey(self, user: str) -> None:

@@ -97,35 +97,38 @@ class PreemptionMixin(ReservationMixin):
         # A share suspended in place keeps its memory and its slot, so its device never becomes
         # idle: it can make room only for another share, never for a whole GPU or a MIG instance.
         suspend_helps = isinstance(job.spec.request, ShareRequest)
-        my_lag = self.fair.lag(job.user)
         margin = self.config.preempt_lag_margin_gpu_s
+        above = min(self.fair.lag(job.user) - margin, -margin)  # a victim's owner's lag must be below this
         cap = self.config.preempt_max_per_job
+        min_run = 0.0 if interactive else self.config.preempt_min_run_s
+        suspend = self.config.preempt_suspend_shares
+        held = cluster.held
         cands: list[Candidate] = []
         lags: dict[str, float] = {}  # per user, read once: nothing is charged during the search
         for jid, rec in self._active.items():
-            if rec.user == job.user or jid not in cluster.held or rec.job.spec.job_class == "interactive":
+            # For the head, a victim must have run preempt_min_run_s whatever the mode, or a job
+            # started in a pass is preempted in the same pass and the two swap places for ever.
+            # An interactive job's victims stand on its headroom, where no batch job starts anew.
+            if (rec.user == job.user or rec.started >= now or now - rec.started < min_run or jid not in held
+                    or rec.job.spec.job_class == "interactive"):
                 continue
             lag = lags.get(rec.user)
             if lag is None:
                 lag = lags[rec.user] = self.fair.lag(rec.user)
-            if (cap and self._times_preempted.get(jid, 0) >= cap) or lag >= min(my_lag - margin, -margin):
+            if lag >= above or (cap and self._times_preempted.get(jid, 0) >= cap):
                 continue
-            whole = rec.alloc.share is None and all(d.kind == "gpu" for d in rec.alloc.devices)
-            lost = rec.fraction * (now - rec.started)
-            # For the head, a victim must have run preempt_min_run_s whatever the mode, or a job
-            # started in a pass is preempted in the same pass and the two swap places for ever.
-            # An interactive job's victims stand on its headroom, where no batch job starts anew.
-            if rec.started >= now or (not interactive and now - rec.started < self.config.preempt_min_run_s):
-                continue
-            share = rec.alloc.share is not None and rec.running
-            if share and self.config.preempt_suspend_shares and any(
-                    (d := cluster.devices.get(u)) is not None and d.shared for u in rec.alloc.uuids):
+            alloc = rec.alloc
+            if suspend and alloc.share is not None and rec.running and any(
+                    (d := cluster.devices.get(u)) is not None and d.shared for u in alloc.uuids):
                 if suspend_helps:
                     cands.append(Candidate(jid, "suspend", (0, lag, -rec.started), 0.0))
-            elif checkpoint and whole and rec.running and jid not in self._no_checkpoint:
+            elif (checkpoint and rec.running and alloc.share is None and jid not in self._no_checkpoint
+                  and all(d.kind == "gpu" for d in alloc.devices)):
                 cands.append(Candidate(jid, "checkpoint", (0, lag, -rec.started), 0.0))
-            elif rec.requeue and self._budget.left(rec.user, now) >= lost:
-                cands.append(Candidate(jid, "requeue", (1, lag, -rec.started), lost))
+            elif rec.requeue:
+                lost = rec.fraction * (now - rec.started)
+                if self._budget.left(rec.user, now) >= lost:
+                    cands.append(Candidate(jid, "requeue", (1, lag, -rec.started), lost))
         if not cands:
             return []
         # Whether any set of these victims makes room depends only on what is held, the waiting job

@@ -37,11 +37,11 @@ from gpusched.daemon.engine_preempt import PreemptionMixin
 from gpusched.daemon.engine_recovery import RecoveryMixin, _load_ids, _load_stops
 from gpusched.daemon.engine_requests import RequestsMixin
 from gpusched.daemon.executor import Executor
-from gpusched.daemon.gcpause import gc_paused
 from gpusched.daemon.groupcommit import GroupCommit
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env
 from gpusched.daemon.recovery import StopRequest
 from gpusched.daemon.store import Store
+from gpusched.gcpause import gc_paused
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 from gpusched.model import (
     ACTIVE_STATES,
@@ -129,7 +129,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                 load_history(json.loads(history))
             except (ValueError, TypeError, AttributeError) as exc:  # a damaged record costs estimates, not service
                 log.warning("ignoring saved run-time history: %s", exc)
-        # A load allocates millions of objects and frees none: no cyclic collections meanwhile (gcpause.py).
+        # A load allocates millions of objects and frees none: no cyclic collections meanwhile
+        # (gcpause.py; the daemon's main then freezes what was loaded).
         with gc_paused():
             self._load_unfinished()
             self._stops.update(_load_stops(self.store.get_meta("stop_requests")))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -313,6 +314,12 @@ async def run(config: DaemonConfig, install_signals: bool = True,
     return 0
 
 
+async def _freeze_loaded(daemon: Daemon) -> None:
+    """The loaded queue lives on: no full collection walks it again (gcpause.py). Only the
+    daemon's own process does this: a program that embeds `run` keeps its collector as it is."""
+    gc.freeze()
+
+
 async def _reload_on_hup(daemon: Daemon) -> None:
     sd_notify("RELOADING=1")
     try:
@@ -409,7 +416,7 @@ def _run_loop(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None) -
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency, but a plain asyncio loop is a fine fallback
-        return asyncio.run(run(config, loader=loader))
+        return asyncio.run(run(config, loader=loader, on_ready=_freeze_loaded))
     return int(uvloop.run(run(config, loader=loader)))
 
 

@@ -6,10 +6,12 @@ none of this until the `replay` command actually runs.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpusched.gcpause import gc_paused
 from gpusched.gpu.profiles import MODELS
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
 from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
@@ -40,17 +42,24 @@ def resolve_policies(name: str) -> list[str]:
 def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto", config_path: str | None = None,
                policies: Sequence[str] = POLICIES, load: float | None = None, users: int = 16, seed: int = 1,
                config: ReplayConfig | None = None, limit: int | None = None,
-               times_from: str | None = None, censored: Censored = "keep") -> ReplayReport:
+               times_from: str | None = None, censored: Censored = "keep",
+               freeze_trace: bool = False) -> ReplayReport:
     """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input.
 
     `times_from`: an Alibaba pod list whose times a time-less pod list borrows (docs/replay.md).
+    `freeze_trace`: the trace is read with the cyclic collector paused and then frozen, so that no
+    full collection walks it during the replay (gcpause.py); for a process that only replays (the
+    CLI), not for one that embeds this and keeps its own collector as it is.
     """
     began = time.perf_counter()
     models = parse_gpus(gpus)
     cfg = config if config is not None else load_config(config_path)
     memory = min(MODELS[m].memory_mib for m in models)
-    trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
-                       seed=seed, limit=limit, times_from=times_from, censored=censored)
+    with gc_paused():
+        trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
+                           seed=seed, limit=limit, times_from=times_from, censored=censored)
+    if freeze_trace:
+        gc.freeze()
     if not trace.jobs:
         raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
     report = ReplayReport(trace, gpus)

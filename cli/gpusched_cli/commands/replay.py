@@ -52,7 +52,8 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
     try:
         report = runner.run_replay(trace, gpus=gpus, fmt=fmt, config_path=config_path,
                                    policies=runner.resolve_policies(policy), load=load, users=users, seed=seed,
-                                   times_from=times_from, censored="drop" if censored == "drop" else "keep")
+                                   times_from=times_from, censored="drop" if censored == "drop" else "keep",
+                                   freeze_trace=True)  # this process only replays (gcpause.py)
     except TraceError as exc:
         echo(f"gpusched: bad trace:\n{exc}", err=True)
         ctx.exit(EXIT_USAGE)

@@ -1,4 +1,5 @@
-"""The collector is paused while the engine loads its queue (daemon/gcpause.py), and only then."""
+"""The collector is paused while the engine loads its queue (gcpause.py), and only then; what was
+loaded is frozen afterwards."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from gpusched.config import DaemonConfig
 from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
-from gpusched.daemon.gcpause import gc_paused
 from gpusched.daemon.main import scheduler_config
 from gpusched.daemon.store import Store
+from gpusched.gcpause import gc_paused
 from gpusched.gpu.nvml import open_backend
 from gpusched.model import JobSpec, WholeRequest
 
