@@ -81,3 +81,23 @@ def test_engine_loads_and_requeues_with_the_collector_paused(tmp_path: Path, col
     asyncio.run(go())
     store.close()
     assert seen == {"load": False, "requeue": False}
+
+
+def test_the_daemon_process_freezes_what_it_loaded_and_replay_only_when_asked(tmp_path: Path) -> None:
+    """gpuschedd's own entry point freezes after the start (an embedder of `run` does not), and a
+    replay freezes its trace only for a process that only replays (the CLI passes freeze_trace)."""
+    from gpusched.daemon import main
+    from gpusched.replay.runner import run_replay
+
+    gc.unfreeze()
+    try:
+        asyncio.run(main._freeze_loaded(None))  # type: ignore[arg-type]
+        assert gc.get_freeze_count() > 0
+        gc.unfreeze()
+        trace = Path(__file__).parent / "fixtures" / "alibaba-openb-sample.csv"
+        run_replay(str(trace), gpus="H100-80GB:2", policies=["fifo-whole"])
+        assert gc.get_freeze_count() == 0
+        run_replay(str(trace), gpus="H100-80GB:2", policies=["fifo-whole"], freeze_trace=True)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
