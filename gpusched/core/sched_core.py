@@ -54,6 +54,18 @@ ScanEntry = tuple[int, list[Candidate], frozenset[int], list[Candidate]]
 
 
 @dataclass(frozen=True, slots=True)
+class Wording:
+    """Why a job waits, put into words only when someone asks (`gpusched show`): a pass records a
+    reason for every job it looks at, pass after pass, and almost none is ever read."""
+
+    template: str
+    args: tuple[object, ...]
+
+    def __str__(self) -> str:
+        return self.template.format(*self.args)
+
+
+@dataclass(frozen=True, slots=True)
 class FailMemo:
     """The signatures that found no room by the end of a pass, and what they were asked under.
 
@@ -190,7 +202,7 @@ class SchedulerCore:
     _gpu_idle_since: dict[int, float]
     _preempting: dict[int, float]
     _started_at_first_plan: float | None
-    _blocked: dict[int, str | None]
+    _blocked: dict[int, str | Wording | None]
     _reservation: _Reservation | None
     _reserve_args: ReserveArgs | None
     _last_now: float

@@ -78,7 +78,7 @@ class ExplainMixin(ReservationMixin):
         blocked = self._blocked.get(job_id, "waiting behind the jobs ahead of it by fairness")
         if blocked is None:
             blocked = self._need(job, self._cluster) if self._cluster is not None else "no room for it yet"
-        parts.append(blocked)
+        parts.append(str(blocked))
         parts.append(standing)
         parts.append(f"{ahead} job(s) ahead by fairness")
         res = self._head_reservation()

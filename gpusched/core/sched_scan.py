@@ -14,7 +14,7 @@ from gpusched.core.actions import Action, StartJob
 from gpusched.core.devices import _share_fits
 from gpusched.core.placement import Cluster
 from gpusched.core.queue import request_fraction
-from gpusched.core.sched_core import Candidate, FailMemo, Shapes, UserMemo, _Active
+from gpusched.core.sched_core import Candidate, FailMemo, Shapes, UserMemo, Wording, _Active
 from gpusched.core.sched_reserve import ReservationMixin
 from gpusched.model import Allocation, Job
 
@@ -110,7 +110,7 @@ class ScanMixin(ReservationMixin):
                 continue
             ok, why = self._backfill_ok(job, alloc, now)
             if ok:
-                actions.append(self._start(cluster, job, alloc, now, why))
+                actions.append(self._start(cluster, job, alloc, now, str(why)))
                 return scanned
             self._blocked[job.id] = why
             tried.add(("backfill", job.id))  # a placement that fits is never a memo hit
@@ -138,7 +138,7 @@ class ScanMixin(ReservationMixin):
         self._sync_user(job.user)
         return StartJob(job.id, alloc, reason, predicted)
 
-    def _backfill_ok(self, job: Job, alloc: Allocation, now: float) -> tuple[bool, str]:
+    def _backfill_ok(self, job: Job, alloc: Allocation, now: float) -> tuple[bool, str | Wording]:
         """May `job` start in a hole without delaying the fairness head's reserved start?"""
         res = self._head_reservation()
         if res is None:
@@ -159,13 +159,14 @@ class ScanMixin(ReservationMixin):
             if now + expected <= res.at:
                 return True, (f"backfill: expected to end ({expected:.0f} s) before job {res.job_id}'s reserved "
                               f"start in {res.at - now:.0f} s")
-            return False, (f"would delay job {res.job_id}, next by fairness, reserved to start in "
-                           f"{res.at - now:.0f} s")
+            # worded only if someone asks (sched_core.Wording): most passes reject these again
+            return False, Wording("would delay job {}, next by fairness, reserved to start in {:.0f} s",
+                                  (res.job_id, res.at - now))
         if limit is not None and limit <= self.config.backfill_unknown_horizon_s:
             return True, (f"backfill: job {res.job_id}'s start is unknown; time limit within "
                           f"{self.config.backfill_unknown_horizon_s:.0f} s")
-        return False, (f"waiting behind job {res.job_id}, next by fairness (only jobs with a time limit "
-                       f"<= {self.config.backfill_unknown_horizon_s:.0f} s may backfill)")
+        return False, Wording("waiting behind job {}, next by fairness (only jobs with a time limit <= {:.0f} s "
+                              "may backfill)", (res.job_id, self.config.backfill_unknown_horizon_s))
 
     def _park_remembered(self, head: Job, fails: set[object], user_memo: UserMemo, mig_demand: list[str]) -> None:
         """Park, in one sweep, every user whose candidates all failed last pass with nothing freed

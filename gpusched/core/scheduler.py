@@ -44,6 +44,7 @@ from gpusched.core.sched_core import (
     SchedulerConfig,
     Shapes,
     UserMemo,
+    Wording,
     _Active,
     _Reservation,
     unsatisfiable_reason,
@@ -116,7 +117,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._started_at_first_plan: float | None = None
         # pending job id -> why it did not start in the last pass; None: it did not fit, and what it
         # needs is worded only when someone asks (against the pass's final placement state)
-        self._blocked: dict[int, str | None] = {}
+        self._blocked: dict[int, str | Wording | None] = {}
         self._reservation: _Reservation | None = None
         self._reserve_args: ReserveArgs | None = None
         self._last_now = 0.0
