@@ -82,7 +82,8 @@ class FailMemo:
 
 
 # user -> (queue version, signatures tried, MIG profiles they asked for) in a pass (sched_scan.py)
-UserMemo = dict[str, tuple[int, frozenset[object], tuple[str, ...]]]
+# ... and the head job left out of their candidates then (None: none of theirs was)
+UserMemo = dict[str, tuple[int, frozenset[object], tuple[str, ...], int | None]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class ScanMixin(ReservationMixin):
         """
         version = self.queue.version(user)
         cands = self._candidates(user, version, head_id)
+        excluded = head_id if head_id in self._scan[user][2] else None
         cached = self._shapes.get(user)
         if cached is not None and cached[0] is cands:
             shapes = cached[1]
@@ -44,14 +45,14 @@ class ScanMixin(ReservationMixin):
             if sig in fails:
                 continue
             if self._place(cluster, job, reserved, doomed) is not None:
-                return self._walk_user(cluster, user, version, cands, reserved, doomed, fails, mig_demand, now,
-                                       actions, user_memo)
+                return self._walk_user(cluster, user, (version, excluded), cands, reserved, doomed, fails,
+                                       mig_demand, now, actions, user_memo)
             fails.add(sig)
         self._blocked.update(shapes.blocked)
         room = self.config.max_mig_demand - len(mig_demand)
         if room > 0 and shapes.mig_profiles:
             mig_demand.extend(shapes.mig_profiles[:room])
-        user_memo[user] = (version, shapes.sigs, shapes.mig_profiles)
+        user_memo[user] = (version, shapes.sigs, shapes.mig_profiles, excluded)
         self.queue.park(user)
         return len(cands)
 
@@ -88,10 +89,11 @@ class ScanMixin(ReservationMixin):
                 out.append(sig)
         return frozenset(out)
 
-    def _walk_user(self, cluster: Cluster, user: str, version: int, cands: list[Candidate],
+    def _walk_user(self, cluster: Cluster, user: str, seen: tuple[int, int | None], cands: list[Candidate],
                    reserved: frozenset[str], doomed: frozenset[str], fails: set[object], mig_demand: list[str],
                    now: float, actions: list[Action], user_memo: UserMemo) -> int:
-        """`_backfill_user` job by job, for a user with something that fits."""
+        """`_backfill_user` job by job, for a user with something that fits; `seen` is their queue
+        version and the head left out of `cands` (for the user memo)."""
         scanned = 0
         tried: set[object] = set()
         wanted: list[str] = []
@@ -114,7 +116,7 @@ class ScanMixin(ReservationMixin):
                 return scanned
             self._blocked[job.id] = why
             tried.add(("backfill", job.id))  # a placement that fits is never a memo hit
-        user_memo[user] = (version, frozenset(tried), tuple(wanted))
+        user_memo[user] = (seen[0], frozenset(tried), tuple(wanted), seen[1])
         self.queue.park(user)
         return scanned
 
@@ -173,13 +175,20 @@ class ScanMixin(ReservationMixin):
         or queued for them since; picking them one by one would rescan the order for each (O(u^2))."""
         for user in self.queue.users():
             if user != head.user:
-                self._park_if_remembered(user, fails, user_memo, mig_demand)
+                self._park_if_remembered(user, fails, user_memo, mig_demand, head.id)
 
-    def _park_if_remembered(self, user: str, fails: set[object], user_memo: UserMemo, mig_demand: list[str]) -> bool:
+    def _park_if_remembered(self, user: str, fails: set[object], user_memo: UserMemo, mig_demand: list[str],
+                            head_id: int) -> bool:
         """Park the user if everything of theirs this pass would try failed last pass, and nothing
         has been freed or queued for them since (their explanations from then still hold)."""
         memo = self._user_memo.get(user)
-        if memo is None or memo[0] != self.queue.version(user) or not memo[1] <= fails:
+        version = self.queue.version(user)
+        if memo is None or memo[0] != version or not memo[1] <= fails:
+            return False
+        self._candidates(user, version, head_id)  # brings their window (_scan) to this version
+        if memo[3] != (head_id if head_id in self._scan[user][2] else None):
+            # another head is left out of their candidates than then: leaving one out brings in the
+            # job after their window, so the candidates are not those that were tried
             return False
         user_memo[user] = memo
         for profile in memo[2]:  # their blocked MIG jobs still count as creation demand

@@ -272,7 +272,10 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
                             remembered = True
                             self._park_remembered(head, fails, user_memo, mig_demand)
                         elif memo.cluster is cluster:
+                            # only what the frees since could help is asked again
                             fails |= self._still_failing(cluster, memo)
+                            remembered = True
+                            self._park_remembered(head, fails, user_memo, mig_demand)
                     if not self.config.backfill:
                         break
                     # The head's own user is not parked: their other jobs may backfill too (a MIG job
@@ -280,7 +283,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
                     continue
                 if not cluster.has_room():
                     break
-                if remembered and self._park_if_remembered(user, fails, user_memo, mig_demand):
+                if remembered and self._park_if_remembered(user, fails, user_memo, mig_demand, head.id):
                     continue
                 scanned += self._backfill_user(cluster, user, head.id, reserved, doomed, fails, mig_demand, now,
                                                actions, user_memo)

@@ -33,6 +33,8 @@ class CheckedScheduler(Scheduler):
     checks = 0
     fail_checks = 0
     hopeless_checks = 0
+    park_checks = 0
+    _asked_under: tuple[Cluster, frozenset[str], frozenset[str]]
 
     def _cluster_for(self, snapshot: Snapshot) -> Cluster:
         kept = super()._cluster_for(snapshot)
@@ -94,6 +96,23 @@ class CheckedScheduler(Scheduler):
         return super()._backfill_user(cluster, user, head_id, reserved, doomed, fails, mig_demand, now,
                                       actions, user_memo)
 
+    def _park_remembered(self, head: Job, fails: set[object], user_memo: UserMemo, mig_demand: list[str]) -> None:
+        assert self._reserve_args is not None  # set when the head blocked, just before this
+        self._asked_under = (self._reserve_args[0], self._reserve_args[3], self._reserve_args[5])
+        super()._park_remembered(head, fails, user_memo, mig_demand)
+
+    def _park_if_remembered(self, user: str, fails: set[object], user_memo: UserMemo, mig_demand: list[str],
+                            head_id: int) -> bool:
+        parked = super()._park_if_remembered(user, fails, user_memo, mig_demand, head_id)
+        if parked:  # parked on last pass's word: nothing of theirs fits, asked afresh
+            cluster, reserved, doomed = self._asked_under
+            fresh = cluster.copy()
+            for cand_job, _ in self._candidates(user, self.queue.version(user), head_id):
+                if cand_job.id not in self._pinned:
+                    assert self._place(fresh, cand_job, reserved, doomed) is None, (user, cand_job.id)
+            CheckedScheduler.park_checks += 1
+        return parked
+
     def _hopeless(self, cluster: Cluster, job: Job, cands: list[PreemptCandidate],
                   reserved: frozenset[str]) -> bool:
         got = super()._hopeless(cluster, job, cands, reserved)
@@ -116,12 +135,13 @@ def test_kept_answers_equal_fresh_ones_through_a_random_workload(seed: int) -> N
 
 
 def test_the_workload_reaches_kept_failures_and_hopeless_searches() -> None:
-    """The checks above are not vacuous: seeds like these reach both shortcuts."""
-    before = (CheckedScheduler.fail_checks, CheckedScheduler.hopeless_checks)
+    """The checks above are not vacuous: seeds like these reach every shortcut."""
+    before = (CheckedScheduler.fail_checks, CheckedScheduler.hopeless_checks, CheckedScheduler.park_checks)
     for seed in range(4):
         run_workload(seed)
     assert CheckedScheduler.fail_checks > before[0]
     assert CheckedScheduler.hopeless_checks > before[1]
+    assert CheckedScheduler.park_checks > before[2]
 
 
 def run_workload(seed: int) -> None:
@@ -130,7 +150,7 @@ def run_workload(seed: int) -> None:
     gpus = [gpu(0, numa=0), gpu(1, numa=0), gpu(2, numa=1), gpu(3, mig=True, instances=mig, numa=1)]
     modes = {"GPU-0001": "mps", "GPU-0002": "timeslice", mig[0].uuid: "mps"}
     cfg = SchedulerConfig(preempt_after_s=300.0, preempt_min_run_s=60.0, preempt_min_gain_s=0.0,
-                          preempt_lag_margin_gpu_s=0.0)
+                          preempt_lag_margin_gpu_s=0.0, per_user_scan=3)  # short windows: heads shift them
     node = Node(CheckedScheduler(cfg, incremental=True), gpus, share_modes=modes)
     ids = itertools.count(1)
     learned: set[int] = set()
