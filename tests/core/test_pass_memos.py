@@ -19,8 +19,8 @@ from gpusched.core.actions import Action
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import Candidate as PreemptCandidate
 from gpusched.core.preempt import choose_victims
-from gpusched.core.sched_core import Candidate, UserMemo, _signature
-from gpusched.core.scheduler import Scheduler, SchedulerConfig, Snapshot, _Reservation
+from gpusched.core.sched_core import Candidate, UserMemo, _Reservation, _signature
+from gpusched.core.scheduler import Scheduler, SchedulerConfig, Snapshot
 from gpusched.model import Job, JobState, WholeRequest
 
 from .helpers import Node, gpu, instance, job
