@@ -1,4 +1,5 @@
-"""Wire format shared by daemon and client: framed JSON and one pydantic model per request.
+"""Wire format shared by daemon and client: framed JSON and one pydantic model per request (the
+results' models are in protocol_results.py, re-exported here).
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object).
 Frames over `MAX_FRAME` are refused before they are read, so a client cannot make the daemon buffer
@@ -17,10 +18,45 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from gpusched.arrayspec import MAX_SPEC_CHARS, MAX_TASK_INDEX, ArraySpecError, parse_array_spec
-from gpusched.model import Event, Job, JobId, JobSpec, JobState
+from gpusched.model import JobId, JobSpec
 
-# The plain part (framing, codes, version, sockets) lives in gpusched.wire so the client can use it
-# without pydantic; it is re-exported here, so `gpusched.protocol` stays the daemon's one import.
+# The results (protocol_results.py) and the plain part (framing, codes, version, sockets, in
+# gpusched.wire so the client can use it without pydantic) are re-exported here, so
+# `gpusched.protocol` stays the daemon's one import.
+from gpusched.protocol_results import RESULT_TYPES as RESULT_TYPES
+from gpusched.protocol_results import ArraySummary as ArraySummary
+from gpusched.protocol_results import CancelResult as CancelResult
+from gpusched.protocol_results import DevicesChanged as DevicesChanged
+from gpusched.protocol_results import DeviceStatsInfo as DeviceStatsInfo
+from gpusched.protocol_results import DoctorCheck as DoctorCheck
+from gpusched.protocol_results import DoctorResult as DoctorResult
+from gpusched.protocol_results import ErrorBody as ErrorBody
+from gpusched.protocol_results import ErrorResponse as ErrorResponse
+from gpusched.protocol_results import GpuInfo as GpuInfo
+from gpusched.protocol_results import GpusResult as GpusResult
+from gpusched.protocol_results import HelloResult as HelloResult
+from gpusched.protocol_results import InstanceInfo as InstanceInfo
+from gpusched.protocol_results import JobsChanged as JobsChanged
+from gpusched.protocol_results import JobSummary as JobSummary
+from gpusched.protocol_results import LogsResult as LogsResult
+from gpusched.protocol_results import MigApplyResult as MigApplyResult
+from gpusched.protocol_results import PlannedInstance as PlannedInstance
+from gpusched.protocol_results import QueueResult as QueueResult
+from gpusched.protocol_results import ReloadResult as ReloadResult
+from gpusched.protocol_results import RuntimeEstimate as RuntimeEstimate
+from gpusched.protocol_results import ShowResult as ShowResult
+from gpusched.protocol_results import ShutdownResult as ShutdownResult
+from gpusched.protocol_results import SimResult as SimResult
+from gpusched.protocol_results import StatsResult as StatsResult
+from gpusched.protocol_results import SubmitResult as SubmitResult
+from gpusched.protocol_results import TopJob as TopJob
+from gpusched.protocol_results import TopSnapshot as TopSnapshot
+from gpusched.protocol_results import TopUser as TopUser
+from gpusched.protocol_results import UserStatsInfo as UserStatsInfo
+from gpusched.protocol_results import WaitResult as WaitResult
+from gpusched.protocol_results import error as error
+from gpusched.protocol_results import ok as ok
+from gpusched.protocol_results import unset as _unset
 from gpusched.wire import HEADER as HEADER
 from gpusched.wire import MAX_FRAME as MAX_FRAME
 from gpusched.wire import PROTOCOL_VERSION as PROTOCOL_VERSION
@@ -35,12 +71,6 @@ from gpusched.wire import socket_candidates as socket_candidates
 from gpusched.wire import user_socket as user_socket
 
 TaskIndex = Annotated[int, Field(ge=0, le=MAX_TASK_INDEX)]
-
-
-def _unset(value: object) -> bool:
-    """Fields added in protocol 1.1 are left out of a message while they hold their default, so a 1.0
-    peer (whose models refuse unknown members) still understands everything that does not use them."""
-    return value is None or value is False or value == []
 
 
 class _Req(BaseModel):
@@ -291,310 +321,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ---- results -------------------------------------------------------------------------------------
-
-
-class _Res(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class HelloResult(_Res):
-    version: str
-    daemon_version: str
-    uid: int
-    user: str
-    admin: bool
-    backend: str
-
-
-class SubmitResult(_Res):
-    job_id: int = Field(description="the job's id; for an array, the array's id (its tasks are ARRAY_TASK)")
-    state: JobState
-    tasks: int | None = Field(default=None, exclude_if=_unset, description="an array: how many tasks it has")
-    duplicate: bool = Field(default=False, exclude_if=_unset,
-                            description="request_id was seen before: this is the job (or array) that request created, "
-                            "and nothing new was created")
-
-
-class JobSummary(_Res):
-    """One row of `queue`; a stable shape for `--json`."""
-
-    id: int
-    name: str
-    user: str
-    uid: int
-    state: JobState
-    request: str
-    submitted_at: float
-    started_at: float | None
-    ended_at: float | None
-    exit_code: int | None
-    devices: list[str]
-    reason: str
-    array_id: int | None = Field(default=None, exclude_if=_unset, description="the job array this job is a task of")
-    array_task: int | None = Field(default=None, exclude_if=_unset, description="its task index in that array")
-
-
-class ArraySummary(_Res):
-    """One job array: what it runs and how many of its tasks are in each state."""
-
-    id: int
-    name: str
-    user: str
-    uid: int
-    request: str
-    submitted_at: float
-    spec: str = Field(description="the --array spec as given, e.g. 1-10000%8")
-    tasks: int = Field(description="how many tasks the array has")
-    max_running: int | None = Field(default=None, description="%MAX: at most this many tasks run at once")
-    states: dict[str, int] = Field(description="state -> number of its tasks in that state (finished ones "
-                                   "included, as long as they are kept)")
-    pending: str = Field(default="", description="the pending (and held) task indices, compressed: 5-10000")
-
-
-class QueueResult(_Res):
-    jobs: list[JobSummary]
-    total: int = Field(default=0, description="rows that matched; more than len(jobs) when limited")
-    arrays: list[ArraySummary] = Field(default_factory=list, exclude_if=_unset,
-                                       description="job arrays, one row each (their tasks are not in `jobs` unless "
-                                       "array_tasks was asked for)")
-
-
-class RuntimeEstimate(_Res):
-    """The scheduler's run-time estimate for a job (docs/scheduling.md, "Run-time estimates")."""
-
-    runtime_s: float = Field(description="expected run time in seconds (capped by --time)")
-    source: str = Field(description="what the estimate comes from, in words")
-    expected_start_at: float | None = Field(
-        default=None, description="pending: when it is expected to start (Unix time) if nothing new arrives; "
-                                  "null when it cannot be told")
-    expected_end_at: float | None = Field(
-        default=None, description="running: when it is expected to end (Unix time), never before twice its "
-                                  "elapsed time")
-
-
-class ShowResult(_Res):
-    job: Job = Field(description="the job; for an array, its first unfinished task (else its last one)")
-    array: ArraySummary | None = Field(default=None, exclude_if=_unset, description="the array `job` is a task of")
-    waiting_reason: str | None = None
-    log_path: str | None = None
-    events: list[Event] = Field(default_factory=list, description="device events attributed to this job")
-    estimate: RuntimeEstimate | None = Field(default=None, description="pending or running jobs under the fair-share "
-                                                                       "scheduler")
-
-
-class CancelResult(_Res):
-    cancelled: list[int]
-    already_finished: list[int] = Field(default_factory=list)
-    arrays: list[int] = Field(default_factory=list, exclude_if=_unset,
-                              description="arrays named by id: their unfinished tasks are in `cancelled` (or "
-                              "`already_finished`)")
-
-
-class JobsChanged(_Res):
-    """Result of suspend / resume / hold / release: which jobs changed and which were left as they were."""
-
-    changed: list[int]
-    unchanged: dict[int, str] = Field(default_factory=dict, description="job id -> why it was not changed")
-    arrays: list[int] = Field(default_factory=list, exclude_if=_unset,
-                              description="arrays named by id: their tasks that changed are in `changed`; those "
-                              "in another state are left as they are, unlisted")
-
-
-class LogsResult(_Res):
-    data: str
-    next_offset: int
-    eof: bool = Field(description="the job has finished and everything was read")
-
-
-class WaitResult(_Res):
-    job: Job
-    finished: bool
-
-
-class InstanceInfo(_Res):
-    uuid: str
-    profile: str
-    start: int
-    size: int
-    memory_mib: int
-    sm_count: int
-    health: str
-    jobs: list[int]
-    users: list[str]
-    gi_id: int | None = Field(default=None, description="the GPU instance id (for `sim inject-xid --gi`)")
-
-
-class GpuInfo(_Res):
-    index: int
-    uuid: str
-    name: str
-    model: str
-    memory_total_mib: int
-    memory_used_mib: int | None
-    sm_count: int
-    mig_enabled: bool
-    mig_pending: bool
-    health: str
-    instances: list[InstanceInfo]
-    jobs: list[int]
-    users: list[str]
-    share: str = Field(default="exclusive", description="exclusive | mps | timeslice, from the daemon's config")
-    interactive: bool = Field(default=False, description="reserved for --class interactive jobs")
-
-
-class GpusResult(_Res):
-    backend: str
-    driver_version: str
-    gpus: list[GpuInfo]
-
-
-class DevicesChanged(_Res):
-    """Result of gpu_drain / gpu_resume: the device UUIDs whose state changed."""
-
-    devices: list[str]
-    message: str
-
-
-class PlannedInstance(_Res):
-    profile: str
-    start: int
-
-
-class MigApplyResult(_Res):
-    gpu: int
-    keep: list[str]
-    destroy: list[str]
-    create: list[PlannedInstance]
-    applied: bool
-    log: list[str] = Field(default_factory=list)
-
-
-class SimResult(_Res):
-    message: str
-
-
-class UserStatsInfo(_Res):
-    """One user's figures over the window (the shape of `perf sched latency`, for GPU jobs)."""
-
-    user: str
-    weight: float
-    jobs: int
-    starts: int
-    runtime_s: float
-    service_gpu_h: float
-    share: float = Field(description="fraction of all service delivered in the window")
-    entitled: float = Field(description="weight / sum of weights of users with work in the window")
-    wait_avg_s: float
-    wait_max_s: float
-    wait_max_at: float | None
-
-
-class DeviceStatsInfo(_Res):
-    gpu: int
-    uuid: str
-    kind: Literal["gpu", "mig"]
-    profile: str | None
-    busy_fraction: float = Field(description="fraction of the window the device was allocated")
-
-
-class StatsResult(_Res):
-    since: float
-    now: float
-    users: list[UserStatsInfo]
-    jain_index: float = Field(description="Jain's index over service / entitled share; 1.0 is perfectly fair")
-    devices: list[DeviceStatsInfo]
-
-
-class TopJob(_Res):
-    id: int
-    name: str
-    user: str
-    state: JobState
-    request: str
-    devices: list[str]
-    submitted_at: float
-    started_at: float | None
-    gpu_mem_mib: int | None = Field(default=None, description="GPU memory its processes use, when NVML says")
-
-
-class TopUser(_Res):
-    user: str
-    weight: float
-    running: int
-    pending: int
-    service_gpu_h: float = Field(description="service charged so far (the scheduler's standing)")
-    lag_gpu_s: float | None = Field(description="positive: owed service; negative: ahead of its share")
-    next_job: int | None
-
-
-class TopSnapshot(_Res):
-    seq: int
-    now: float
-    gpus: list[GpuInfo]
-    running: list[TopJob]
-    pending: list[TopJob] = Field(description="the first max_pending pending jobs in submission order")
-    pending_total: int
-    users: list[TopUser]
-    events: list[Event]
-
-
-class ReloadResult(_Res):
-    changed: list[str] = Field(description="settings now in effect with their new values")
-    restart_needed: list[str] = Field(description="changed settings that take effect only after a restart")
-
-
-class DoctorCheck(_Res):
-    name: str
-    status: Literal["PASS", "WARN", "FAIL"]
-    detail: str
-    hint: str = ""
-
-
-class DoctorResult(_Res):
-    checks: list[DoctorCheck]
-
-
-class ShutdownResult(_Res):
-    stopping: bool
-
-
-class ErrorBody(_Res):
-    code: ErrorCode
-    message: str
-    hint: str = ""
-
-
-class ErrorResponse(_Res):
-    ok: Literal[False] = False
-    error: ErrorBody
-
-
-RESULT_TYPES: dict[str, type[BaseModel]] = {
-    "hello": HelloResult,
-    "submit": SubmitResult,
-    "queue": QueueResult,
-    "show": ShowResult,
-    "cancel": CancelResult,
-    "logs": LogsResult,
-    "wait": WaitResult,
-    "suspend": JobsChanged,
-    "resume": JobsChanged,
-    "hold": JobsChanged,
-    "release": JobsChanged,
-    "gpu_drain": DevicesChanged,
-    "gpu_resume": DevicesChanged,
-    "mig_apply": MigApplyResult,
-    "sim_inject_xid": SimResult,
-    "doctor": DoctorResult,
-    "reload": ReloadResult,
-    "stats": StatsResult,
-    "watch": TopSnapshot,
-    "gpus": GpusResult,
-    "shutdown": ShutdownResult,
-}
-
-
 def parse_request(obj: dict[str, Any]) -> Request:
     """Validate a request object; the error names the first bad field and what is wrong with it."""
     try:
@@ -628,14 +354,6 @@ def _strip_tags(loc: tuple[int | str, ...]) -> list[int | str]:
             continue
         out.append(part)
     return out
-
-
-def ok(result: BaseModel) -> dict[str, Any]:
-    return {"ok": True, "result": result.model_dump(mode="json")}
-
-
-def error(code: ErrorCode, message: str, hint: str = "") -> dict[str, Any]:
-    return ErrorResponse(error=ErrorBody(code=code, message=message, hint=hint)).model_dump(mode="json")
 
 
 def json_schema() -> dict[str, Any]:
