@@ -1,0 +1,91 @@
+"""What gpuschedd opens before it serves: the GPU backend, the cgroup subtree for jobs, and the pure
+core's configuration from the TOML. main.py wires them together (and re-exports these names).
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpusched.config import DaemonConfig
+from gpusched.core.estimate import EstimatorConfig
+from gpusched.core.fairshare import FairnessConfig
+from gpusched.core.migplan import MigPolicy
+from gpusched.core.scheduler import SchedulerConfig
+from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
+from gpusched.gpu.backend import GpuBackend, GpuError
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
+    """The simulator when `--sim` is given, else the real driver; refuse with a hint if neither works."""
+    from gpusched.gpu.nvml import open_backend  # the only door to NVML
+
+    try:
+        backend = open_backend(config.sim)
+    except GpuError as exc:
+        raise StartupError(f"{exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")) from None
+    except ValueError as exc:
+        raise StartupError(f"--sim: {exc}") from None
+    return backend, ("sim" if config.sim else "nvml")
+
+
+def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
+    """The pure core's knobs, from the TOML sections `[fairness]`, `[scheduler]` and `[mig]`."""
+    f = config.fairness
+    return SchedulerConfig(
+        fairness=FairnessConfig(
+            default_weight=f.default_weight, weights=dict(f.weights), groups=dict(f.groups),
+            group_weights=dict(f.group_weights), batch_quantum_s=f.batch_quantum_s,
+            interactive_quantum_s=f.interactive_quantum_s, lag_limit_gpu_s=f.lag_limit_gpu_s,
+            commit_max_s=f.commit_max_s,
+        ),
+        estimator=EstimatorConfig(default_runtime_s=config.scheduler.default_runtime_s,
+                                  history=config.scheduler.estimate_history,
+                                  elapsed_factor=config.scheduler.estimate_elapsed_factor),
+        hold_head_after_s=config.scheduler.hold_head_after_s,
+        mig=MigPolicy(min_idle_s=config.mig.min_idle_s, min_reconfig_interval_s=config.mig.min_reconfig_interval_s,
+                      toggle_mode=config.mig.toggle_mode),
+        preempt_after_s=config.scheduler.preempt_after_s,
+        preempt_min_gain_s=config.scheduler.preempt_min_gain_s,
+        preempt_min_run_s=config.scheduler.preempt_min_run_s,
+        preempt_lag_margin_gpu_s=config.scheduler.preempt_lag_margin_gpu_s,
+        preempt_max_per_job=config.scheduler.preempt_max_per_job,
+        preempt_budget_gpu_s=config.scheduler.preempt_budget_gpu_s,
+        preempt_suspend_shares=config.scheduler.preempt_suspend_shares,
+        interactive_window_s=config.scheduler.interactive_window_s,
+        interactive_headroom_gpus=config.scheduler.interactive_headroom_gpus,
+        interactive_headroom_fraction=config.scheduler.interactive_headroom_fraction,
+        interactive_preempt_after_s=config.scheduler.interactive_preempt_after_s,
+        mps_across_users=config.scheduler.mps_across_users,
+        backfill=config.scheduler.backfill,
+        backfill_unknown_horizon_s=config.scheduler.backfill_unknown_horizon_s,
+        reserve_after_s=config.scheduler.reserve_after_s,
+        max_scan=config.scheduler.max_scan,
+        per_user_scan=config.scheduler.per_user_scan,
+        max_mig_demand=config.scheduler.max_mig_demand,
+    )
+
+
+def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:
+    """The delegated cgroup subtree to put jobs in, or None and the reason there is none."""
+    if config.cgroup_root == "off":
+        return None, 'disabled by cgroup_root = "off"'
+    root = config.cgroup_root
+    if root == "auto":
+        # Only a systemd service with Delegate=yes owns its subtree; anywhere else (a shell, a test,
+        # a container's root cgroup) writing there would disturb cgroups that are not ours.
+        own = own_cgroup()
+        if own is None or "INVOCATION_ID" not in os.environ:
+            return None, "not running as a systemd service with Delegate=yes"
+        root = os.path.dirname(own) if os.path.basename(own) == "daemon" else own
+        if not root.endswith(".service"):
+            return None, f"own cgroup {own} is not a service's delegated subtree"
+    manager = CgroupManager(root)
+    try:
+        manager.setup(os.getpid())
+    except CgroupError as exc:
+        return None, str(exc)
+    return manager, f"per-job cgroups under {root} ({', '.join(manager.controllers) or 'no controllers'})"
