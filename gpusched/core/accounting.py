@@ -122,6 +122,11 @@ def jain_index(values: Sequence[float]) -> float:
     """Jain's fairness index (sum x)^2 / (n * sum x^2): 1.0 is perfectly even, 1/n is one takes all."""
     if not values:
         return 1.0
+    top = max(abs(v) for v in values)
+    if top and not 1e-100 < top < 1e100:
+        # The index does not change with the scale, but squares of values this small (large)
+        # underflow (overflow): 1e-159 squared is already inexact, and gave indices above 1.
+        values = [v / top for v in values]
     squares = sum(v * v for v in values)
     return (sum(values) ** 2) / (len(values) * squares) if squares else 1.0
 

@@ -74,3 +74,11 @@ def test_fairness_index_is_one_when_service_matches_entitlement() -> None:
 def test_jain_index_is_between_one_over_n_and_one(values: list[float]) -> None:
     index = jain_index(values)
     assert 1 / len(values) - 1e-9 <= index <= 1 + 1e-9
+
+
+def test_jain_index_holds_for_values_whose_squares_underflow_or_overflow() -> None:
+    """Found by the property above: two equal values of 1e-159 gave 1.0000009 (their squares are
+    subnormal); the index is scale-free, so tiny and huge values are scaled first."""
+    assert jain_index([1.1452586174591122e-159, 1.1452586174591122e-159]) == 1.0
+    assert jain_index([1e-300, 0.0]) == 0.5
+    assert jain_index([1e200, 1e200, 1e200]) == 1.0
