@@ -228,6 +228,8 @@ class SchedulerCore:
     _yielded_for: dict[int, int]
     _no_victims: object
     _fail_memo: FailMemo | None
+    # this pass: the last pass's failures and the devices freed since (sched_scan._still_failing)
+    _refit: tuple[frozenset[object], frozenset[str]] | None
     _user_memo: UserMemo
 
     def _unsat(self, job: Job) -> str | None:

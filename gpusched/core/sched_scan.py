@@ -8,6 +8,7 @@ a start (the fairness head's too).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, cast
 
 from gpusched.core.actions import Action, StartJob
@@ -41,8 +42,13 @@ class ScanMixin(ReservationMixin):
         else:
             shapes = Shapes.of(cands)
             self._shapes[user] = (cands, shapes)
+        refit = self._refit
         for job, sig in shapes.firsts:
             if sig in fails:
+                continue
+            if refit is not None and sig in refit[0] and not self._may_fit_on(cluster, sig, refit[1], reserved,
+                                                                               doomed):
+                fails.add(sig)  # failed last pass, and the devices freed since are full again
                 continue
             if self._place(cluster, job, reserved, doomed) is not None:
                 return self._walk_user(cluster, user, (version, excluded), cands, reserved, doomed, fails,
@@ -61,33 +67,37 @@ class ScanMixin(ReservationMixin):
         fit on any device freed since: every other device only filled up, so they fail again.
 
         After a job ends, the pass would otherwise ask every failed signature of every user again,
-        each on the one device that was freed."""
+        each on the one device that was freed. The others are asked again when their user comes,
+        and first only of the freed devices as they are then (`_refit`): a backfill start may
+        have filled them meanwhile."""
         freed = cluster.freed_since(memo.mark)
         if freed is None:
             return frozenset()
-        devices = [d for u in freed if (d := cluster.devices.get(u)) is not None]
-        if not devices:
-            return memo.fails
-        reserved, doomed = memo.reserved, memo.doomed
-        across = self.config.mps_across_users
-        out = []
-        for failed in memo.fails:
-            sig = cast("tuple[Any, ...]", failed)  # a _signature
-            interactive = sig[-1] == "interactive"
-            forbidden = doomed if interactive else (reserved | doomed if doomed else reserved)
-            kind = sig[0]
-            for d in devices:
-                if d.uuid in forbidden:
-                    continue
-                if kind == "s":
-                    any_uid = across == "always" or (across == "interactive" and interactive)
-                    if _share_fits(d, sig[1], sig[2], sig[3], any_uid=any_uid):
-                        break
-                elif d.idle and (d.kind == "gpu" if kind == "g" else d.kind == "mig" and d.profile == sig[1]):
-                    break  # a whole request needs an idle GPU (n of them: one more idle may do)
-            else:
-                out.append(sig)
-        return frozenset(out)
+        self._refit = (memo.fails, freed)
+        return frozenset(sig for sig in memo.fails
+                         if not self._may_fit_on(cluster, sig, freed, memo.reserved, memo.doomed))
+
+    def _may_fit_on(self, cluster: Cluster, failed: object, uuids: Iterable[str], reserved: frozenset[str],
+                    doomed: frozenset[str]) -> bool:
+        """Could this signature fit on one of these devices as they are now (what place() would test
+        of each; for n whole GPUs, one of them idle and n idle in all)?"""
+        sig = cast("tuple[Any, ...]", failed)  # a _signature
+        interactive = sig[-1] == "interactive"
+        forbidden = doomed if interactive else (reserved | doomed if doomed else reserved)
+        kind = sig[0]
+        for uuid in uuids:
+            d = cluster.devices.get(uuid)
+            if d is None or uuid in forbidden:
+                continue
+            if kind == "s":
+                across = self.config.mps_across_users
+                if _share_fits(d, sig[1], sig[2], sig[3],
+                               any_uid=across == "always" or (across == "interactive" and interactive)):
+                    return True
+            elif d.idle and (d.kind == "gpu" and cluster.idle_whole() >= sig[1] if kind == "g"
+                             else d.kind == "mig" and d.profile == sig[1]):
+                return True
+        return False
 
     def _walk_user(self, cluster: Cluster, user: str, seen: tuple[int, int | None], cands: list[Candidate],
                    reserved: frozenset[str], doomed: frozenset[str], fails: set[object], mig_demand: list[str],

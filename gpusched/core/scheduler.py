@@ -146,6 +146,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._no_victims: object = None  # the last victim search that found none (see _preempt)
         # Requests that found no room in the last pass, valid while the cluster is the same (see plan).
         self._fail_memo: FailMemo | None = None
+        self._refit: tuple[frozenset[object], frozenset[str]] | None = None
         # user -> (queue version, signatures tried, MIG profiles they asked for) in the last pass
         self._user_memo: UserMemo = {}
 
@@ -233,6 +234,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
         self._reservation = None
         self._reserve_args = None
+        self._refit = None
         head: Job | None = None
         fails: set[object] = set()
         mig_demand: list[str] = []
