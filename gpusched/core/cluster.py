@@ -35,8 +35,6 @@ from gpusched.core.place_memo import PlaceMemo
 from gpusched.gpu.backend import Gpu
 from gpusched.model import ACTIVE_STATES, Allocation, Job
 
-_FREES_KEPT = 64  # frees remembered for freed_since; past this, older marks read as unknown
-
 # (job id, allocation, uid, precision, paused): one usage applied to a Cluster, see ClusterState.applied
 Applied = tuple[int, Allocation, int, str | None, bool]
 
@@ -66,10 +64,6 @@ class ClusterState:
         # device before it first changes it (a reservation's what-if touches a few devices of many).
         # None: every device is this cluster's own.
         self._owned: set[str] | None = None
-        # The devices of each change that may have freed room, newest last, since `_free_base`
-        # changes ago (older ones forgotten): which devices a failure from then could fit on now.
-        self._frees: list[frozenset[str]] = []
-        self._free_base = 0
 
     @classmethod
     def build(
@@ -241,35 +235,21 @@ class ClusterState:
             self._memo.grew()
             return
         freed = tuple(freed) if freed is not None else None
-        self._log_free(freed)
         if freed is None:
             self._memo.freed(None)
         else:
             self._memo.freed(freed, self._could_help(freed))
 
-    def _log_free(self, freed: Iterable[str] | None) -> None:
-        if freed is None or len(self._frees) >= _FREES_KEPT:  # anything may have room now
-            self._free_base += len(self._frees) + 1
-            self._frees = []
-            if freed is None:
-                return
-        self._frees.append(frozenset(freed))
-
     def free_mark(self) -> int:
-        """A mark to ask `freed_since` with later (frees are logged on a cluster that memoises
-        placements, not on what-if copies)."""
-        return self._free_base + len(self._frees)
+        """A mark to ask `freed_since` with later (the placement memo logs the frees; a what-if
+        copy, which memoises nothing, has no marks)."""
+        return self._memo.mark() if self._memo is not None else -1
 
     def freed_since(self, mark: int) -> frozenset[str] | None:
         """The devices whose usage may have dropped since `mark` (all usage changes since were these
         frees, or additions); None when that is no longer known. A request that found no room at
         the mark can have room now only on these devices."""
-        if mark < self._free_base:
-            return None
-        since = self._frees[mark - self._free_base:]
-        if len(since) == 1:
-            return since[0]
-        return frozenset().union(*since)
+        return self._memo.freed_since(mark) if self._memo is not None and mark >= 0 else None
 
     def _could_help(self, uuids: Iterable[str]) -> frozenset[object]:
         """Which kinds of placement question (place_memo.kind_of) devices freed here could answer:

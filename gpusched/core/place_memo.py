@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from gpusched.model import Allocation
 
 Key = tuple[object, ...]
-_LOG_MAX = 64  # frees remembered; past this, every failure is forgotten (asked afresh)
+_LOG_MAX = 64  # frees remembered; past this, every failure is forgotten (asked afresh), and older marks
 
 
 def kind_of(key: Key) -> object:
@@ -58,7 +58,7 @@ class PlaceMemo:
             self.found = {}
         if uuids is None or len(self.log) >= _LOG_MAX:
             self.failed = {}
-            self.base += len(self.log)
+            self.base += len(self.log) + 1  # marks from before now read as unknown
             self.log = []
             if uuids is None:
                 return
@@ -82,6 +82,19 @@ class PlaceMemo:
             return True, None, None  # nothing freed since it failed could take it
         got = [uuids for uuids, kinds in self.log[at - self.base:] if kind in kinds]
         return False, None, got[0] if len(got) == 1 else frozenset().union(*got)
+
+    def mark(self) -> int:
+        """Where the log stands now, for `freed_since`."""
+        return self.base + len(self.log)
+
+    def freed_since(self, mark: int) -> frozenset[str] | None:
+        """Every device freed since `mark`, whatever it could take; None if forgotten."""
+        if mark < self.base:
+            return None
+        since = self.log[mark - self.base:]
+        if len(since) == 1:
+            return since[0][0]
+        return frozenset().union(*(uuids for uuids, _ in since))
 
     def record(self, key: Key, alloc: Allocation | None) -> None:
         if alloc is None:
