@@ -42,7 +42,7 @@ from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env
 from gpusched.daemon.recovery import StopRequest
 from gpusched.daemon.store import Store
 from gpusched.gcpause import gc_paused
-from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
+from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory
 from gpusched.model import (
     ACTIVE_STATES,
     Allocation,
@@ -88,6 +88,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self._yielded: set[int] = set()  # shares the scheduler suspended in place (store meta `yielded`)
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
+        self.scheduler_gpus: tuple[Gpu, ...] = ()
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._notify_pending = False
@@ -95,7 +96,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         # Final states of ended jobs that pending jobs depend on, looked up in the store once each;
         # only --after targets are cached, so it cannot grow with the number of jobs ever run.
         self._final_states: dict[int, JobState] = {}
-        self._active: set[int] = set()  # ids of STARTING / RUNNING / SUSPENDED jobs
+        # ids of STARTING / RUNNING / SUSPENDED jobs, in the order they became active: the scheduler
+        # updates its placement view when jobs that stay keep their order (core/cluster_sync.py);
+        # listed by id, a job started after one with a higher id made it rebuild the view
+        self._active: dict[int, None] = {}
         self._waiting_by_uid: dict[int, int] = {}  # PENDING + HELD jobs per uid (max_pending_per_user)
         self._waiting_bytes_by_uid: dict[int, int] = {}  # their spec_bytes (max_pending_bytes_per_user)
         self._submit_tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, monotonic time)
@@ -203,9 +207,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             pending = tuple(sorted((j for j in self.jobs.values() if j.state is JobState.PENDING and self._ready(j)
                                     and self.arrays.is_admitted(j)), key=lambda j: j.id))
         return Snapshot(
-            gpus=self.inventory.gpus,
+            gpus=self.scheduler_gpus,
             pending=pending,
-            active=tuple(j for i in sorted(self._active) if (j := self.jobs[i]).allocation is not None),
+            active=tuple(j for i in self._active if (j := self.jobs[i]).allocation is not None),
             unschedulable=self.devices.unschedulable(self.inventory),
             share_modes=self.share_modes(),
             dynamic=self.dynamic_gpus(),

@@ -27,7 +27,7 @@ from gpusched.daemon.jobmap import job_mapping, write_job_mapping
 from gpusched.daemon.launch import Launcher
 from gpusched.daemon.recovery import StopRequest, path_to
 from gpusched.daemon.store import Store
-from gpusched.gpu.backend import GpuBackend, Inventory
+from gpusched.gpu.backend import Gpu, GpuBackend, Inventory
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -60,6 +60,7 @@ class EngineCore:
     checkpoints: Checkpoints
     jobs: dict[int, Job]
     inventory: Inventory
+    scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
     arrays: Arrays
     commits: GroupCommit
     passes: int
@@ -71,7 +72,7 @@ class EngineCore:
     _notify_pending: bool
     _stops: dict[int, StopRequest]
     _final_states: dict[int, JobState]
-    _active: set[int]
+    _active: dict[int, None]
     _waiting_by_uid: dict[int, int]
     _waiting_bytes_by_uid: dict[int, int]
     _submit_tokens: dict[int, tuple[float, float]]
@@ -233,9 +234,9 @@ class EngineCore:
             self.jobs[job.id] = updated
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
         if state in ACTIVE_STATES:
-            self._active.add(job.id)
+            self._active.setdefault(job.id)  # a job already active keeps its place
         else:
-            self._active.discard(job.id)
+            self._active.pop(job.id, None)
         if state is JobState.HELD and job.spec.after:
             self._held_with_deps.add(job.id)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from gpusched.core.scheduler import SetMigMode
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.recovery import StopRequest
-from gpusched.gpu.backend import GpuError, XidEvent
+from gpusched.gpu.backend import Gpu, GpuError, XidEvent
 from gpusched.gpu.health import HealthAction
 from gpusched.model import (
     Event,
@@ -26,9 +27,13 @@ class DevicesMixin(EngineCore):
 
     async def refresh_inventory(self) -> None:
         try:
-            self.inventory = await asyncio.to_thread(self.backend.inventory)
+            fresh = await asyncio.to_thread(self.backend.inventory)
         except GpuError as exc:
             log.error("cannot read GPU inventory: %s", exc.message)
+        else:
+            self.inventory = fresh
+            if _placement_view(fresh.gpus) != _placement_view(self.scheduler_gpus):
+                self.scheduler_gpus = fresh.gpus
         self.checkpoints.observe(self.inventory)  # the driver version: r550+ to checkpoint, r580+ to move
 
     def _on_gpu_event(self, event: XidEvent) -> None:
@@ -144,3 +149,10 @@ class DevicesMixin(EngineCore):
         await self.refresh_inventory()
         self.wake()
         return ok
+
+
+def _placement_view(gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
+    """The GPUs as placement sees them: all but the memory in use, which moves at every read on a
+    real driver. The scheduler is handed the same tuple while this stays the same, so it keeps
+    its placement view (core/cluster_sync.py) instead of rebuilding it at every inventory tick."""
+    return tuple(dataclasses.replace(g, memory_used_mib=None) for g in gpus)

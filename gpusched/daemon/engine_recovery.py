@@ -48,7 +48,7 @@ class RecoveryMixin(EngineCore):
         for job in unfinished:
             self.jobs[job.id] = job
             if job.state in ACTIVE_STATES:
-                self._active.add(job.id)
+                self._active[job.id] = None
                 self.arrays.mark_active(job)
             elif job.state is JobState.HELD and job.spec.after:
                 self._held_with_deps.add(job.id)
@@ -109,7 +109,7 @@ class RecoveryMixin(EngineCore):
         except Exception:
             log.exception("job %d: cannot record its end; no longer tracked", job_id)
             self.jobs.pop(job_id, None)
-            self._active.discard(job_id)
+            self._active.pop(job_id, None)
 
     def _finish(self, job_id: int, status: ExitStatus) -> None:
         job = self.jobs.get(job_id)

@@ -284,3 +284,27 @@ def _recv(s: socket.socket, n: int) -> bytes:
         assert chunk, "connection closed"
         buf += chunk
     return buf
+
+
+def test_jobs_are_handed_to_the_scheduler_in_the_order_they_started(daemon: DaemonHandle) -> None:
+    """A job started after one with a higher id comes after it in the snapshot, and the scheduler
+    keeps its placement view instead of building a new one (core/cluster_sync.py needs the jobs
+    that stay in the order it applied them; listed by id, this start made it rebuild), also across
+    inventory ticks that read the same GPUs again."""
+    from gpusched.protocol import JobsChanged, ReleaseRequest
+
+    engine = lambda: daemon.daemon.engine  # noqa: E731
+    with daemon.client() as c:
+        first = c.call(SubmitRequest(spec=spec("sleep", "600"), hold=True), SubmitResult).job_id
+        second = submit(c, spec("sleep", "600"))
+        wait_until(lambda: state_of(c, second) is JobState.RUNNING, what="the second job running")
+        view = daemon.call_in_loop(lambda: engine().scheduler._live)
+        c.call(ReleaseRequest(job_ids=[first]), JobsChanged)
+        wait_until(lambda: state_of(c, first) is JobState.RUNNING, what="the first job running")
+        assert daemon.call_in_loop(lambda: [j.id for j in engine().snapshot().active]) == [second, first]
+        third = submit(c, spec("sleep", "600"))  # no GPU left: another pass over the same view
+        ticks = daemon.call_in_loop(lambda: engine().passes)
+        wait_until(lambda: daemon.call_in_loop(lambda: engine().passes) > ticks + 2, timeout=30,
+                   what="passes after inventory ticks")
+        assert daemon.call_in_loop(lambda: engine().scheduler._live) is view
+        c.call(CancelRequest(job_ids=[first, second, third]), CancelResult)
