@@ -16,9 +16,10 @@ class ReservationMixin(SchedulerCore):
     def _head_reservation(self) -> _Reservation | None:
         """The blocked head's reservation this pass, worked out on first read.
 
-        Most passes never read it (nothing fits to backfill, preemption is not due), and it cost a
-        seventh of a pass. Reading it later gives what reading it when the head blocked would: the
-        view does not change before the first backfill start, which reads it first.
+        Many passes never read it (nothing fits to backfill, and preemption is not due or is ruled
+        out by cheaper tests first), and working it out is the dearest part of a blocked head.
+        Reading it later gives what reading it when the head blocked would: the view does not change
+        before the first backfill start, which reads it first.
         """
         args = self._reserve_args
         if args is not None:
