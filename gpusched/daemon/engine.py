@@ -89,6 +89,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
         self.scheduler_gpus: tuple[Gpu, ...] = ()
+        self._share_modes = None
+        self._dynamic_gpus = None
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._notify_pending = False

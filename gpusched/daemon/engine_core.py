@@ -61,6 +61,8 @@ class EngineCore:
     jobs: dict[int, Job]
     inventory: Inventory
     scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
+    _share_modes: tuple[tuple[Gpu, ...], DaemonConfig, dict[str, str]] | None  # share_modes() and its sources
+    _dynamic_gpus: tuple[DaemonConfig, frozenset[int]] | None
     arrays: Arrays
     commits: GroupCommit
     passes: int
@@ -99,17 +101,32 @@ class EngineCore:
         return bool(getattr(self.scheduler, "incremental", False))
 
     def share_modes(self) -> dict[str, str]:
-        """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared."""
+        """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared.
+
+        The same dict while the GPUs (as placement sees them) and the config are the same objects:
+        every submit and every pass asks, and the scheduler skips its shape check for an unchanged
+        object. Callers must not modify it."""
+        gpus, config = self.scheduler_gpus, self.config
+        cached = self._share_modes
+        if cached is not None and cached[0] is gpus and cached[1] is config:
+            return cached[2]
         modes: dict[str, str] = {}
-        for gpu in self.inventory.gpus:
-            gpu_config = self.config.gpus.get(str(gpu.index))
+        for gpu in gpus:
+            gpu_config = config.gpus.get(str(gpu.index))
             if gpu_config is not None and gpu_config.share != "exclusive":
                 modes[gpu.uuid] = gpu_config.share
                 modes.update((i.uuid, gpu_config.share) for i in gpu.instances)
+        self._share_modes = (gpus, config, modes)
         return modes
 
     def dynamic_gpus(self) -> frozenset[int]:
-        return frozenset(int(k) for k, g in self.config.gpus.items() if g.mig == "dynamic")
+        config = self.config
+        cached = self._dynamic_gpus
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        dynamic = frozenset(int(k) for k, g in config.gpus.items() if g.mig == "dynamic")
+        self._dynamic_gpus = (config, dynamic)
+        return dynamic
 
     def _dependency_status(self, dep: Dependency) -> bool | None:
         """True when met, False when it can never be met, None while the other job has not ended.

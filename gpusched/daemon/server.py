@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from gpusched.daemon.deadlines import Deadline, Deadlines
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.handlers import HANDLERS, Context, Peer
 from gpusched.protocol import (
@@ -91,6 +92,11 @@ class Server:
         self._closing = False
         self._per_uid: dict[int, int] = {}
         self.refused_connections = 0  # over max_connections or a user's share, since start
+        self._deadlines = Deadlines(self._tick_s)
+
+    def _tick_s(self) -> float:
+        """How often read deadlines are checked: a quarter of the shortest bound (deadlines.py)."""
+        return min(1.0, max(0.01, min(HELLO_TIMEOUT_S, self.idle_timeout_s, self.read_timeout_s) / 4))
 
     @property
     def per_uid_limit(self) -> int:
@@ -117,6 +123,7 @@ class Server:
             await asyncio.gather(*self._connections, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+        await self._deadlines.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -157,47 +164,65 @@ class Server:
         ctx = Context(self.engine, peer, user, self.engine.is_admin(peer.uid), self.backend_name,
                       self.request_shutdown, self.path, self.reload)
         greeted = False
-        while not self._closing:
-            # Every read has a deadline: a connection that never says hello, sits idle too long, or
-            # stalls in the middle of a frame is closed, so it cannot hold a slot (and a file) for ever.
-            idle = self.idle_timeout_s if greeted else HELLO_TIMEOUT_S
-            # asyncio.timeout, not wait_for: wait_for wraps every read in a task of its own, and at
-            # thousands of requests a second those tasks were a visible share of the daemon's CPU.
+        deadline = self._deadlines.watch()
+        try:
+            while not self._closing:
+                body = await self._read_frame(reader, writer, deadline, greeted)
+                if body is None:
+                    return
+                self._begin()
+                try:
+                    reply, greeted = await self._answer(ctx, body, greeted)
+                finally:
+                    self._end()
+                if isinstance(reply, AsyncIterator):
+                    await self._stream(reader, writer, reply)  # the connection now belongs to the stream
+                    return
+                await self._send(writer, reply)
+        finally:
+            self._deadlines.forget(deadline)
+
+    async def _read_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, deadline: Deadline,
+                          greeted: bool) -> bytes | None:
+        """The next request's body, or None when the connection is to be closed (after saying why, when
+        there is something to say).
+
+        Every read has a deadline: a connection that never says hello, sits idle too long, or stalls
+        in the middle of a frame is closed, so it cannot hold a slot (and a file) for ever. One ticker
+        keeps them for every connection (deadlines.py): a timer per read was a visible share of the
+        daemon's CPU at thousands of requests a second."""
+        framing = False  # the first byte came: the frame must now be finished within read_timeout_s
+        try:
+            deadline.arm(self.idle_timeout_s if greeted else HELLO_TIMEOUT_S)
+            first = await reader.readexactly(1)
+            framing = True
+            deadline.arm(self.read_timeout_s)
             try:
-                async with asyncio.timeout(idle):
-                    first = await reader.readexactly(1)
-            except TimeoutError:
-                if not greeted:
-                    await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
-                                                   f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
-                return  # idle after hello: close quietly (a client reconnects when it needs to)
+                header = first + await reader.readexactly(HEADER.size - 1)
             except asyncio.IncompleteReadError:
-                return
-            try:
-                async with asyncio.timeout(self.read_timeout_s):
-                    try:
-                        header = first + await reader.readexactly(HEADER.size - 1)
-                    except asyncio.IncompleteReadError:
-                        await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
-                        return
-                    body = await reader.readexactly(frame_length(header))
-            except TimeoutError:
+                deadline.disarm()
+                await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
+                return None
+            return await reader.readexactly(frame_length(header))
+        except asyncio.CancelledError:
+            if not deadline.fired():
+                raise
+            if framing:
                 await self._send(writer, error(ErrorCode.BAD_FRAME, f"frame not completed within "
                                                f"{self.read_timeout_s:g} s; closing"))
-                return
-            except ProtocolError as exc:
-                # The announced body is not read, so the stream cannot be resynchronised: close.
-                await self._send(writer, error(exc.code, exc.message, exc.hint))
-                return
-            self._begin()
-            try:
-                reply, greeted = await self._answer(ctx, body, greeted)
-            finally:
-                self._end()
-            if isinstance(reply, AsyncIterator):
-                await self._stream(reader, writer, reply)  # the connection now belongs to the stream
-                return
-            await self._send(writer, reply)
+            elif not greeted:
+                await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
+                                               f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
+            return None  # idle after hello: close quietly (a client reconnects when it needs to)
+        except asyncio.IncompleteReadError:
+            return None
+        except ProtocolError as exc:
+            # The announced body is not read, so the stream cannot be resynchronised: close.
+            deadline.disarm()
+            await self._send(writer, error(exc.code, exc.message, exc.hint))
+            return None
+        finally:
+            deadline.disarm()
 
     async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       results: AsyncIterator[BaseModel]) -> None:

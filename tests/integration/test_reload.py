@@ -5,10 +5,20 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 
+import pytest
 from click.testing import CliRunner
 
-from gpusched.model import JobState
-from gpusched.protocol import ErrorCode, ReloadRequest, ReloadResult, StatsRequest, StatsResult
+from gpusched.model import JobState, ShareRequest
+from gpusched.protocol import (
+    ErrorCode,
+    ProtocolError,
+    ReloadRequest,
+    ReloadResult,
+    StatsRequest,
+    StatsResult,
+    SubmitRequest,
+    SubmitResult,
+)
 from gpusched_cli.client import Client
 from gpusched_cli.main import cli
 from tests.conftest import DaemonProcess, wait_until
@@ -66,3 +76,21 @@ def test_reload_needs_an_admin_and_a_config_file(daemon_factory: Callable[..., o
         reply = c.raw_call({"op": "reload"})
     assert reply["ok"] is False and reply["error"]["code"] == ErrorCode.BAD_REQUEST.value
     assert "started without a config file" in reply["error"]["message"]
+
+
+def test_reload_that_makes_a_gpu_shared_is_seen_by_the_next_submit(
+        daemon_process: Callable[..., DaemonProcess]) -> None:
+    """The daemon keeps the devices' share modes between requests; a reload must replace them."""
+    proc = daemon_process().start()
+    share = spec("true", gpus=1).model_copy(update={"request": ShareRequest(fraction=0.5, gpu_mem_mib=1024)})
+    with Client(proc.socket) as c:
+        with pytest.raises(ProtocolError) as refused:
+            c.call(SubmitRequest(spec=share), SubmitResult)
+        assert refused.value.code is ErrorCode.UNSATISFIABLE
+    proc.write_config('[gpus.0]\nshare = "mps"\n')
+    code, out, _ = gs(proc, "admin", "reload")
+    assert code == 0 and out.strip() == "reloaded: gpus"
+    with Client(proc.socket) as c:
+        job_id = c.call(SubmitRequest(spec=share), SubmitResult).job_id
+        assert wait_done(c, job_id).job.state is JobState.COMPLETED
+    assert proc.terminate() == 0
