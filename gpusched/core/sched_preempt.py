@@ -12,6 +12,7 @@ from gpusched.core.actions import (
     ResumeJob,
     Snapshot,
 )
+from gpusched.core.devices import _EPS
 from gpusched.core.interactive import choose_headroom
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import Candidate, choose_victims
@@ -167,17 +168,19 @@ class PreemptionMixin(ReservationMixin):
         return out
 
     def _hopeless(self, cluster: Cluster, job: Job, cands: list[Candidate], reserved: frozenset[str]) -> bool:
-        """Would the job find no room even with every candidate stopped? Read off the devices for
-        whole-GPU and MIG requests (they need idle devices: one is idle once everything on it is
-        released; a share suspended in place stays on its device); False (ask) for shares.
+        """Would the job find no room even with every candidate stopped? Read off the devices: a
+        whole-GPU or MIG request needs an idle device, and one is idle once everything on it is
+        released (a share suspended in place stays on its device); a share needs a device whose
+        remaining clients leave it the compute, memory and slot (`_share_hopeless`).
 
         choose_victims answers the same by releasing the candidates on a copy and placing, which
         copies every device they hold: most searches find nothing, pass after pass."""
         req = job.spec.request
-        if isinstance(req, ShareRequest):
-            return False
         released = {c.job_id for c in cands if c.mode != "suspend"}
         forbidden = self._forbidden(cluster, job, reserved)
+        if isinstance(req, ShareRequest):
+            paused = {c.job_id for c in cands if c.mode == "suspend"}
+            return self._share_hopeless(cluster, job, req, released, paused, forbidden)
         found = 0
         need = req.gpus if isinstance(req, WholeRequest) else 1
         for d in cluster.devices.values():
@@ -188,6 +191,32 @@ class PreemptionMixin(ReservationMixin):
                 found += 1
                 if found >= need:
                     return False
+        return True
+
+    def _share_hopeless(self, cluster: Cluster, job: Job, req: ShareRequest, released: set[int], paused: set[int],
+                        forbidden: frozenset[str]) -> bool:
+        """`_hopeless` for a share: no device where, with `released` gone and `paused` stopped in
+        place (their memory and slots stay), `_share_fits` would hold (the same sums, slots and MPS
+        uid rule; what the picker only ranks by, precision and idle servers' owners, is left out)."""
+        across = self.config.mps_across_users
+        any_uid = across == "always" or (across == "interactive" and job.spec.job_class == "interactive")
+        for d in cluster.devices.values():
+            if not d.shared or d.uuid in forbidden or (d.holder is not None and d.holder not in released):
+                continue
+            fraction, mem, slots = 0.0, 0, 0
+            uids: set[int] = set()
+            for jid, client in d.clients.items():
+                if jid in released:
+                    continue
+                slots += 1
+                mem += client.mem
+                uids.add(client.uid)
+                if jid not in paused:
+                    fraction += client.fraction
+            if (fraction + req.fraction <= 1 + _EPS and mem + req.gpu_mem_mib <= d.memory_mib
+                    and slots < d.max_clients
+                    and (any_uid or d.mode != "mps" or not uids or uids == {job.uid})):
+                return False
         return True
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:

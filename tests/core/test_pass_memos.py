@@ -21,7 +21,7 @@ from gpusched.core.preempt import Candidate as PreemptCandidate
 from gpusched.core.preempt import choose_victims
 from gpusched.core.sched_core import Candidate, UserMemo, _Reservation, _signature
 from gpusched.core.scheduler import Scheduler, SchedulerConfig, Snapshot
-from gpusched.model import Job, JobState, WholeRequest
+from gpusched.model import Job, JobState, ShareRequest, WholeRequest
 
 from .helpers import Node, gpu, instance, job
 from .test_cluster_sync import state
@@ -33,6 +33,8 @@ class CheckedScheduler(Scheduler):
     checks = 0
     fail_checks = 0
     hopeless_checks = 0
+    share_hopeless_checks = 0
+    released_share_checks = 0  # ... with a share among the candidates that would be released
     park_checks = 0
     _asked_under: tuple[Cluster, frozenset[str], frozenset[str]]
 
@@ -119,6 +121,11 @@ class CheckedScheduler(Scheduler):
         if got:  # the search it spares would have found nothing
             assert choose_victims(cluster, cands, lambda sim: self._place(sim, job, reserved) is not None) is None
             CheckedScheduler.hopeless_checks += 1
+            if isinstance(job.spec.request, ShareRequest):
+                CheckedScheduler.share_hopeless_checks += 1
+                shares = {c.job_id for c in cands if c.mode != "suspend" and c.job_id in cluster.held
+                          and cluster.held[c.job_id].shared}
+                CheckedScheduler.released_share_checks += bool(shares)
         return got
 
     def _sync_user(self, user: str) -> None:
@@ -129,28 +136,32 @@ class CheckedScheduler(Scheduler):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(0, 10**6))
-def test_kept_answers_equal_fresh_ones_through_a_random_workload(seed: int) -> None:
-    run_workload(seed)
+@given(st.integers(0, 10**6), st.booleans())
+def test_kept_answers_equal_fresh_ones_through_a_random_workload(seed: int, suspend: bool) -> None:
+    run_workload(seed, suspend)
 
 
 def test_the_workload_reaches_kept_failures_and_hopeless_searches() -> None:
     """The checks above are not vacuous: seeds like these reach every shortcut."""
-    before = (CheckedScheduler.fail_checks, CheckedScheduler.hopeless_checks, CheckedScheduler.park_checks)
+    before = (CheckedScheduler.fail_checks, CheckedScheduler.hopeless_checks, CheckedScheduler.park_checks,
+              CheckedScheduler.share_hopeless_checks, CheckedScheduler.released_share_checks)
     for seed in range(4):
-        run_workload(seed)
+        run_workload(seed, suspend=seed % 2 == 0)  # without suspending, shares are requeued: released
     assert CheckedScheduler.fail_checks > before[0]
     assert CheckedScheduler.hopeless_checks > before[1]
     assert CheckedScheduler.park_checks > before[2]
+    assert CheckedScheduler.share_hopeless_checks > before[3]
+    assert CheckedScheduler.released_share_checks > before[4]
 
 
-def run_workload(seed: int) -> None:
+def run_workload(seed: int, suspend: bool = True) -> None:
     rnd = random.Random(seed)
     mig = (instance(3, "3g.40gb", 0), instance(3, "2g.20gb", 4), instance(3, "1g.10gb", 6))
     gpus = [gpu(0, numa=0), gpu(1, numa=0), gpu(2, numa=1), gpu(3, mig=True, instances=mig, numa=1)]
     modes = {"GPU-0001": "mps", "GPU-0002": "timeslice", mig[0].uuid: "mps"}
     cfg = SchedulerConfig(preempt_after_s=300.0, preempt_min_run_s=60.0, preempt_min_gain_s=0.0,
-                          preempt_lag_margin_gpu_s=0.0, per_user_scan=3)  # short windows: heads shift them
+                          preempt_lag_margin_gpu_s=0.0, per_user_scan=3,  # short windows: heads shift them
+                          preempt_suspend_shares=suspend)
     node = Node(CheckedScheduler(cfg, incremental=True), gpus, share_modes=modes)
     ids = itertools.count(1)
     learned: set[int] = set()
@@ -173,7 +184,7 @@ def run_workload(seed: int) -> None:
             else:
                 j = job(next(ids), user, share=rnd.choice([0.2, 0.3, 0.5]), mem=rnd.choice([4096, 20000]),
                         time_limit=limit, precision=rnd.choice([None, "bf16", "fp32"]),
-                        job_class="interactive" if rnd.random() < 0.2 else "batch")
+                        job_class="interactive" if rnd.random() < 0.2 else "batch", requeue=rnd.random() < 0.3)
             node.submit(j, rnd.uniform(300, 30000))
         node.run_until(float(t + 2000), on_tick=learn)
     assert CheckedScheduler.checks > 0 and node.done  # it ran, and jobs came and went
