@@ -324,6 +324,19 @@ def ok(result: BaseModel) -> dict[str, Any]:
     return {"ok": True, "result": result.model_dump(mode="json")}
 
 
+# Results answered thousands of times a second, whose fields are all ints, enums and booleans.
+_ONE_STEP: frozenset[type[BaseModel]] = frozenset({SubmitResult})
+
+
+def ok_body(result: BaseModel) -> bytes | None:
+    """The JSON of `ok(result)` serialised by pydantic in one step (2.5 us less than building the dict
+    and dumping it), for the results in _ONE_STEP; None for the others. Not for results with floats:
+    pydantic writes an infinite float as null, where json.dumps (the general path) writes Infinity."""
+    if type(result) not in _ONE_STEP:
+        return None
+    return b'{"ok":true,"result":' + result.__pydantic_serializer__.to_json(result) + b"}"
+
+
 def error(code: ErrorCode, message: str, hint: str = "") -> dict[str, Any]:
     return ErrorResponse(error=ErrorBody(code=code, message=message, hint=hint)).model_dump(mode="json")
 

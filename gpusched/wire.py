@@ -50,7 +50,11 @@ class ProtocolError(Exception):
 
 def encode_frame(obj: dict[str, Any]) -> bytes:
     """Serialise one message; refuses to build a frame the peer would reject."""
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return frame(json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
+def frame(body: bytes) -> bytes:
+    """A serialised message with its header; refuses to build a frame the peer would reject."""
     if len(body) > MAX_FRAME:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
     return HEADER.pack(len(body)) + body

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from gpusched.model import Dependency, JobSpec, MigRequest, ShareRequest, WholeRequest
+from gpusched.model import Dependency, JobSpec, JobState, MigRequest, ShareRequest, WholeRequest
 from gpusched.protocol import (
     HEADER,
     MAX_FRAME,
@@ -37,6 +37,7 @@ from gpusched.protocol import (
     SimInjectXidRequest,
     StatsRequest,
     SubmitRequest,
+    SubmitResult,
     SuspendRequest,
     WaitRequest,
     WatchRequest,
@@ -45,8 +46,12 @@ from gpusched.protocol import (
     encode_frame,
     error,
     frame_length,
+    ok,
+    ok_body,
+    parse_frame,
     parse_request,
 )
+from gpusched.protocol_results import _ONE_STEP
 
 
 def _decode_frame(frame: bytes) -> dict[str, Any]:
@@ -215,3 +220,60 @@ def test_members_added_in_1_1_are_left_out_while_unset() -> None:
     assert "array_id" not in job.model_dump(mode="json") and "array_task" not in job.model_dump(mode="json")
     task = job.model_copy(update={"array_id": 5, "array_task": 0})
     assert (task.model_dump(mode="json")["array_id"], task.model_dump(mode="json")["array_task"]) == (5, 0)
+
+
+def _parsed_the_long_way(body: bytes) -> object:
+    try:
+        return parse_request(decode_body(body))
+    except ProtocolError as exc:
+        return (exc.code, exc.message, exc.hint)
+
+
+def _parsed(body: bytes) -> object:
+    try:
+        return parse_frame(body)
+    except ProtocolError as exc:
+        return (exc.code, exc.message, exc.hint)
+
+
+_SUBMIT = b'{"op":"submit","spec":{"argv":["a"],"cwd":"/tmp","env":{},%s"request":{"kind":"whole","gpus":1}}}'
+
+
+@pytest.mark.parametrize("body", [
+    *(encode_frame(r.model_dump(mode="json"))[HEADER.size:] for r in EVERY_REQUEST),
+    _SUBMIT % b'"argv":["b"],',  # a key twice: the last one counts
+    b'{"op":"hello","op":"submit","spec":{"argv":["a"],"cwd":"/tmp","env":{},"request":{"kind":"whole","gpus":1}}}',
+    _SUBMIT % b'"time_limit_s":NaN,', _SUBMIT % b'"time_limit_s":1e400,', _SUBMIT % b'"time_limit_s":"60",',
+    _SUBMIT.replace(b'["a"]', b'["\\ud800"]'),  # a lone surrogate: JSON allows it, pydantic's reader does not
+    _SUBMIT.replace(b'"gpus":1', b'"gpus":1.0'), _SUBMIT.replace(b'"gpus":1', b'"gpus":"1"'),
+    b' {"op":"hello","version":"1.0"} ', b'\xef\xbb\xbf{"op":"hello","version":"1.0"}', b"\xff\xfe", b"{not json",
+    b"[1, 2]", b'"op"', b'{"op":"frobnicate"}', b'{"op":"submit","spec":' + b"[" * 5000 + b"]" * 5000 + b"}",
+])
+def test_a_frame_is_parsed_in_one_step_exactly_as_the_long_way(body: bytes) -> None:
+    """parse_frame lets pydantic read the JSON; what it accepts and every error must be as before."""
+    assert _parsed(body) == _parsed_the_long_way(body)
+
+
+@given(json_values)
+def test_any_json_is_parsed_in_one_step_exactly_as_the_long_way(value: Any) -> None:
+    body = json.dumps({"op": "submit", "spec": value}).encode()
+    assert _parsed(body) == _parsed_the_long_way(body)
+
+
+@pytest.mark.parametrize("result", [
+    SubmitResult(job_id=7, state=JobState.PENDING),
+    SubmitResult(job_id=8, state=JobState.HELD, tasks=1000, duplicate=True),
+    SubmitResult(job_id=9, state=JobState.PENDING, duplicate=True),
+])
+def test_an_answer_serialised_in_one_step_is_the_same_bytes(result: BaseModel) -> None:
+    body = ok_body(result)
+    assert body is not None and body == encode_frame(ok(result))[HEADER.size:]
+
+
+def test_only_results_without_floats_are_serialised_in_one_step() -> None:
+    """pydantic writes an infinite float as null, json.dumps as Infinity: a result type added to
+    _ONE_STEP must have no float anywhere in it."""
+    for model in _ONE_STEP:
+        for name, field in model.model_fields.items():
+            assert "float" not in str(field.annotation), (model.__name__, name)
+    assert ok_body(RESULT_TYPES["show"].model_construct()) is None

@@ -29,13 +29,14 @@ from gpusched.protocol import (
     HelloRequest,
     ProtocolError,
     ReloadResult,
-    decode_body,
     encode_frame,
     error,
     frame_length,
     ok,
-    parse_request,
+    ok_body,
+    parse_frame,
 )
+from gpusched.protocol import frame as to_frame
 
 log = logging.getLogger("gpusched.server")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -239,10 +240,9 @@ class Server:
 
     async def _answer(
         self, ctx: Context, body: bytes, greeted: bool
-    ) -> tuple[dict[str, Any] | AsyncIterator[BaseModel], bool]:
+    ) -> tuple[dict[str, Any] | bytes | AsyncIterator[BaseModel], bool]:
         try:
-            obj = decode_body(body)
-            request = parse_request(obj)
+            request = parse_frame(body)
             if not greeted and not isinstance(request, HelloRequest):
                 raise ProtocolError(ErrorCode.HELLO_REQUIRED, "the first request on a connection must be hello")
             if isinstance(request, HelloRequest):
@@ -254,7 +254,8 @@ class Server:
                 return cast(AsyncIterator[BaseModel], result), greeted
             if inspect.isawaitable(result):
                 result = await result
-            return ok(result), greeted or isinstance(request, HelloRequest)
+            fast = ok_body(result)
+            return (fast if fast is not None else ok(result)), greeted or isinstance(request, HelloRequest)
         except ProtocolError as exc:
             return error(exc.code, exc.message, exc.hint), greeted
         except Exception:
@@ -280,9 +281,10 @@ class Server:
         if self._in_flight == 0:
             self._idle.set()
 
-    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any] | bytes) -> None:
+        """Send a message (or the JSON body of one, already serialised)."""
         try:
-            frame = encode_frame(message)
+            frame = to_frame(message) if isinstance(message, bytes) else encode_frame(message)
         except ProtocolError as exc:  # a reply too large for one frame: say so instead of hanging up
             frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
                                        "ask for less (e.g. `queue --user`, a smaller --limit)"))
