@@ -278,6 +278,7 @@ class RequestsMixin(EngineCore):
 
 
 def _submitted(array_id: int | None, jobs: list[Job], *, duplicate: bool) -> SubmitResult:
+    # Built from the store's own values, so not validated again (every submit is answered with one).
     if array_id is None:
-        return SubmitResult(job_id=jobs[0].id, state=jobs[0].state, duplicate=duplicate)
-    return SubmitResult(job_id=array_id, state=jobs[0].state, tasks=len(jobs), duplicate=duplicate)
+        return SubmitResult.model_construct(job_id=jobs[0].id, state=jobs[0].state, duplicate=duplicate)
+    return SubmitResult.model_construct(job_id=array_id, state=jobs[0].state, tasks=len(jobs), duplicate=duplicate)

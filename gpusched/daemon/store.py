@@ -61,33 +61,10 @@ class Store(StoreReader):
             )
         schema.create_or_upgrade(self._db)
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self) -> _Change:
         """One change, all or nothing: its own transaction, or inside `batch()` a savepoint (so a change
         that fails undoes only itself, and the batch's other changes still commit)."""
-        if self._savepoints:  # already inside one: it undoes this change too if it fails (two fewer statements)
-            yield self._db
-            return
-        if self._batching:
-            self._db.execute("SAVEPOINT change")
-            self._savepoints += 1
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK TO change")
-                self._db.execute("RELEASE change")
-                raise
-            finally:
-                self._savepoints -= 1
-            self._db.execute("RELEASE change")
-            return
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        return _Change(self)
 
     @contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -277,6 +254,40 @@ class Store(StoreReader):
         with self._tx() as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
                        (key, value, value))
+
+
+class _Change:
+    """`Store._tx()`. A class rather than a generator-based context manager: group commit enters one
+    per submit, and the generator's machinery cost more than the rest of the block around the INSERT."""
+
+    __slots__ = ("_mode", "_store")
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._mode = 0  # 0: inside a change that undoes this one too, 1: a savepoint, 2: a transaction
+
+    def __enter__(self) -> sqlite3.Connection:
+        store = self._store
+        if store._savepoints:  # already inside one: it undoes this change too if it fails (two fewer statements)
+            return store._db
+        if store._batching:
+            store._db.execute("SAVEPOINT change")
+            store._savepoints += 1
+            self._mode = 1
+        else:
+            store._db.execute("BEGIN IMMEDIATE")
+            self._mode = 2
+        return store._db
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        store = self._store
+        if self._mode == 1:
+            store._savepoints -= 1
+            if exc_type is not None:
+                store._db.execute("ROLLBACK TO change")
+            store._db.execute("RELEASE change")
+        elif self._mode == 2:
+            store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
 
 
 def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:
