@@ -11,13 +11,23 @@ in replay it landed inside scheduling decisions (about 5% of decision time on th
 a collection over a large heap is the pause this avoids. Reference counting still frees what a load
 drops and frozen objects once released; only cycles wait for the collector, which runs again as
 soon as the load ends.
+
+A daemon keeps accepting jobs after its load, and they live on too: with 23k queued jobs a full
+collection took 44 ms of the event loop, three of them in 20,000 submits, a tenth of the loop's
+time (measured with gc.callbacks while 16 clients submitted). `LongLivedHeap` freezes what
+survives each full collection, so the next one walks only what came since; and since a frozen
+cycle that dies later is never collected, it unfreezes and walks everything once an hour.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+SWEEP_INTERVAL_S = 3600.0  # how often a long-running process walks everything once (LongLivedHeap)
 
 
 @contextmanager
@@ -31,3 +41,49 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+class LongLivedHeap:
+    """For a long-running process whose heap mostly lives on (gpuschedd's queue): freeze what
+    survives each full collection, and sweep everything once every `sweep_interval_s`.
+
+    Right after a full collection nothing unreachable is left, so freezing then keeps no garbage;
+    objects frozen and in a reference cycle that they later leave unreachable are only reclaimed by
+    the sweep (unfreeze, collect, freeze), the one pause that still walks everything."""
+
+    def __init__(self, sweep_interval_s: float = SWEEP_INTERVAL_S) -> None:
+        self.sweep_interval_s = sweep_interval_s
+        self.frozen_after_full = 0  # full collections whose survivors were frozen
+        self.sweeps = 0
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Freeze what is there now (what was loaded), and from now on after every full collection."""
+        gc.freeze()
+        if self._after_collection not in gc.callbacks:
+            gc.callbacks.append(self._after_collection)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_now_and_then(), name="gpusched-gc-sweep")
+
+    def stop(self) -> None:
+        if self._after_collection in gc.callbacks:
+            gc.callbacks.remove(self._after_collection)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    def sweep(self) -> None:
+        """Walk everything once: what a frozen cycle left behind is reclaimed."""
+        gc.unfreeze()
+        gc.collect()  # its own callback freezes the survivors
+        self.sweeps += 1
+
+    def _after_collection(self, phase: str, info: dict[str, Any]) -> None:
+        # Called by the collector itself, after the collection (its lists are consistent), in
+        # whichever thread allocated: freezing here leaves no window for new garbage to be frozen.
+        if phase == "stop" and info["generation"] == 2:
+            gc.freeze()
+            self.frozen_after_full += 1
+
+    async def _sweep_now_and_then(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.sweep()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.main import scheduler_config
 from gpusched.daemon.store import Store
-from gpusched.gcpause import gc_paused
+from gpusched.gcpause import LongLivedHeap, gc_paused
 from gpusched.gpu.nvml import open_backend
 from gpusched.model import JobSpec, WholeRequest
 
@@ -101,3 +102,68 @@ def test_the_daemon_process_freezes_what_it_loaded_and_replay_only_when_asked(tm
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_the_daemon_entry_point_freezes_on_either_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_run_loop hands `run` the freeze both with uvloop (the daemon's usual loop) and without it."""
+    import builtins
+    import sys
+
+    from gpusched.daemon import main
+
+    seen: list[object] = []
+
+    async def fake_run(config: object, *, loader: object = None, on_ready: object = None) -> int:
+        seen.append(on_ready)
+        return 0
+
+    monkeypatch.setattr(main, "run", fake_run)
+    config = DaemonConfig(sim="H100-80GB:1", socket="/nonexistent/g.sock", state_dir="/nonexistent")
+    assert main._run_loop(config, None) == 0  # uvloop is installed: its path
+    real_import = builtins.__import__
+
+    def no_uvloop(name: str, *args: object, **kwargs: object) -> object:
+        if name == "uvloop":
+            raise ImportError("no uvloop here")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.delitem(sys.modules, "uvloop", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    assert main._run_loop(config, None) == 0  # the plain asyncio fallback
+    assert seen == [main._freeze_loaded, main._freeze_loaded]
+
+
+class _Node:
+    """An object in a reference cycle (with itself), so only the cyclic collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_what_survives_a_full_collection_is_frozen_and_a_sweep_reclaims_frozen_cycles(collector_on: None) -> None:
+    heap = LongLivedHeap(sweep_interval_s=3600)
+
+    async def main() -> None:
+        heap.start()
+        try:
+            loaded = gc.get_freeze_count()
+            assert loaded > 0  # what was there at the start
+            kept = [[i] for i in range(10_000)]  # jobs accepted later: they live on
+            gc.collect()
+            assert heap.frozen_after_full == 1
+            assert gc.get_freeze_count() >= loaded + len(kept)  # the next full collection will not walk them
+            node = _Node()
+            gone = weakref.ref(node)
+            gc.collect()  # frozen while still in use...
+            del node  # ...then dropped: a cycle, so reference counting cannot free it
+            gc.collect()
+            assert gone() is not None  # the collector does not walk frozen objects
+            heap.sweep()
+            assert gone() is None and heap.sweeps == 1
+            assert gc.get_freeze_count() >= len(kept)  # and what lives on is frozen again
+        finally:
+            heap.stop()
+            gc.unfreeze()
+
+    asyncio.run(main())
+    assert heap._after_collection not in gc.callbacks

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from gpusched.daemon.startup import open_cgroups as open_cgroups
 from gpusched.daemon.startup import open_gpu_backend as open_gpu_backend
 from gpusched.daemon.startup import scheduler_config as scheduler_config
 from gpusched.daemon.store import Store, StoreError
+from gpusched.gcpause import LongLivedHeap
 from gpusched.gpu.backend import GpuBackend
 from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched.model import JobState
@@ -239,9 +239,10 @@ async def run(config: DaemonConfig, install_signals: bool = True,
 
 
 async def _freeze_loaded(daemon: Daemon) -> None:
-    """The loaded queue lives on: no full collection walks it again (gcpause.py). Only the
-    daemon's own process does this: a program that embeds `run` keeps its collector as it is."""
-    gc.freeze()
+    """The loaded queue lives on, and so do the jobs accepted later: no full collection walks
+    them again, bar a sweep once an hour (gcpause.LongLivedHeap). Only the daemon's own process
+    does this: a program that embeds `run` keeps its collector as it is."""
+    LongLivedHeap().start()
 
 
 async def _reload_on_hup(daemon: Daemon) -> None:
@@ -341,7 +342,7 @@ def _run_loop(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None) -
         import uvloop
     except ImportError:  # uvloop is a dependency, but a plain asyncio loop is a fine fallback
         return asyncio.run(run(config, loader=loader, on_ready=_freeze_loaded))
-    return int(uvloop.run(run(config, loader=loader)))
+    return int(uvloop.run(run(config, loader=loader, on_ready=_freeze_loaded)))
 
 
 if __name__ == "__main__":
