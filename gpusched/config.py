@@ -79,7 +79,9 @@ class DaemonConfig(BaseModel):
     max_connections: int = Field(default=1024, ge=1, le=65536, description="concurrent client connections")
     client_idle_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="close a connection that sends no request for this long after "
-        "hello (before hello the limit is 10 s); `top` streams and long polls are not idle"
+        "hello (before hello the limit is 10 s); `top` streams and long polls are not idle. Read deadlines are "
+        "checked by one ticker every quarter of the shortest limit (at most 1 s), so a limit fires up to that much "
+        "late"
     )
     client_read_timeout_s: float = Field(
         default=30.0, gt=0, le=3600, description="a frame must arrive whole within this long of its first byte, "
