@@ -94,13 +94,18 @@ def test_the_daemon_process_freezes_what_it_loaded_and_replay_only_when_asked(tm
     try:
         asyncio.run(main._freeze_loaded(None))  # type: ignore[arg-type]
         assert gc.get_freeze_count() > 0
+        assert any(isinstance(getattr(cb, "__self__", None), LongLivedHeap) for cb in gc.callbacks)
+        _stop_heaps()  # the daemon's stays for its life; this test process must not keep it
         gc.unfreeze()
         trace = Path(__file__).parent / "fixtures" / "alibaba-openb-sample.csv"
         run_replay(str(trace), gpus="H100-80GB:2", policies=["fifo-whole"])
         assert gc.get_freeze_count() == 0
         run_replay(str(trace), gpus="H100-80GB:2", policies=["fifo-whole"], freeze_trace=True)
         assert gc.get_freeze_count() > 0
+        # it froze what survived full collections during the replay, and stopped when the replay did
+        assert not any(isinstance(getattr(cb, "__self__", None), LongLivedHeap) for cb in gc.callbacks)
     finally:
+        _stop_heaps()
         gc.unfreeze()
 
 
@@ -141,7 +146,7 @@ class _Node:
 
 
 def test_what_survives_a_full_collection_is_frozen_and_a_sweep_reclaims_frozen_cycles(collector_on: None) -> None:
-    heap = LongLivedHeap(sweep_interval_s=3600)
+    heap = LongLivedHeap()
 
     async def main() -> None:
         heap.start()
@@ -167,3 +172,9 @@ def test_what_survives_a_full_collection_is_frozen_and_a_sweep_reclaims_frozen_c
 
     asyncio.run(main())
     assert heap._after_collection not in gc.callbacks
+
+
+def _stop_heaps() -> None:
+    for cb in list(gc.callbacks):
+        if isinstance(getattr(cb, "__self__", None), LongLivedHeap):
+            gc.callbacks.remove(cb)

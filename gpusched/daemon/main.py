@@ -242,7 +242,7 @@ async def _freeze_loaded(daemon: Daemon) -> None:
     """The loaded queue lives on, and so do the jobs accepted later: no full collection walks
     them again, bar a sweep once an hour (gcpause.LongLivedHeap). Only the daemon's own process
     does this: a program that embeds `run` keeps its collector as it is."""
-    LongLivedHeap().start()
+    LongLivedHeap().start()  # and a sweep every SWEEP_INTERVAL_S
 
 
 async def _reload_on_hup(daemon: Daemon) -> None:

@@ -6,12 +6,11 @@ none of this until the `replay` command actually runs.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpusched.gcpause import gc_paused
+from gpusched.gcpause import LongLivedHeap, gc_paused
 from gpusched.gpu.profiles import MODELS
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
 from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
@@ -47,9 +46,10 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     """Parse the trace once, then replay it under each policy. Raises TraceError / ValueError on bad input.
 
     `times_from`: an Alibaba pod list whose times a time-less pod list borrows (docs/replay.md).
-    `freeze_trace`: the trace is read with the cyclic collector paused and then frozen, so that no
-    full collection walks it during the replay (gcpause.py); for a process that only replays (the
-    CLI), not for one that embeds this and keeps its own collector as it is.
+    `freeze_trace`: the trace is read with the cyclic collector paused and then frozen, and so is
+    what survives each full collection during the replay, so that no full collection walks them
+    again (gcpause.py); for a process that only replays (the CLI), not for one that embeds this
+    and keeps its own collector as it is.
     """
     began = time.perf_counter()
     models = parse_gpus(gpus)
@@ -58,17 +58,21 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     with gc_paused():
         trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
                            seed=seed, limit=limit, times_from=times_from, censored=censored)
-    if freeze_trace:
-        gc.freeze()
-    if not trace.jobs:
-        raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
-    report = ReplayReport(trace, gpus)
-    weights = user_weights(trace.jobs, cfg)
-    for name in policies:
-        pol = setup(name, models, trace.jobs, cfg)
-        result = run_policy(pol, trace.jobs, cfg.interference)
-        report.results.append(result)
-        report.summaries.append(summarize(result, weights, trace.skipped_total))
+    heap = LongLivedHeap()
+    if freeze_trace:  # and what survives each full collection during the replay (the jobs it built)
+        heap.start(sweep_interval_s=None)
+    try:
+        if not trace.jobs:
+            raise ValueError(f"{trace_path}: no replayable jobs ({trace.skipped_total} rows skipped)")
+        report = ReplayReport(trace, gpus)
+        weights = user_weights(trace.jobs, cfg)
+        for name in policies:
+            pol = setup(name, models, trace.jobs, cfg)
+            result = run_policy(pol, trace.jobs, cfg.interference)
+            report.results.append(result)
+            report.summaries.append(summarize(result, weights, trace.skipped_total))
+    finally:
+        heap.stop()
     report.wall_s = time.perf_counter() - began
     return report
 
