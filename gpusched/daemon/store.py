@@ -95,12 +95,7 @@ class Store(StoreReader):
             yield
         finally:
             self._batching = False
-            try:
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._commit()
 
     @contextmanager
     def batch_or_nothing(self) -> Iterator[None]:
@@ -118,15 +113,19 @@ class Store(StoreReader):
                 self._db.execute("ROLLBACK")
             raise
         else:
-            try:
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._commit()
         finally:
             self._batching = False
             self._savepoints -= 1
+
+    def _commit(self) -> None:
+        """COMMIT; if that fails, roll back what is left of the transaction and raise."""
+        try:
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     # ---- jobs ------------------------------------------------------------------------------------
 
