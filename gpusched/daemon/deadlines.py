@@ -5,8 +5,8 @@ must finish a frame it has begun (server.py). Those deadlines were one `asyncio.
 each read, two per request: a timer made and cancelled every time, about 7 us of the event
 loop's time per request, measured, a tenth of what a durable submit costs it. Here a connection
 moves its own deadline (two attribute writes) and one ticker cancels the reads that overran. A
-deadline therefore fires up to one tick late; the tick is a quarter of the shortest bound in
-force (`tick_s`), so a 30 s bound fires between 30 and 37.5 s.
+deadline therefore fires up to one tick late, never early; the server's tick is a quarter of the
+shortest bound in force, at most 1 s (with the defaults a 30 s bound fires between 30 and 31 s).
 """
 
 from __future__ import annotations
