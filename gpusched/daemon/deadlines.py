@@ -36,12 +36,13 @@ class Deadline:
         self._at = math.inf
 
     def fired(self) -> bool:
-        """True if the ticker cancelled the read (once per firing); the task's cancel is undone."""
+        """True if the ticker cancelled the read and nothing else did (once per firing): the
+        ticker's cancel is taken back. False if another cancel came too (the server shutting down
+        in the same loop turn): that one stands, and the CancelledError must go on up."""
         if not self._fired:
             return False
         self._fired = False
-        self._task.uncancel()
-        return True
+        return self._task.uncancel() == 0
 
     def _expire(self, now: float) -> None:
         if self._at <= now and not self._fired:

@@ -108,3 +108,37 @@ def test_the_ticker_stops_when_no_connection_is_watched() -> None:
         return running
 
     assert asyncio.run(main())
+
+
+def test_a_shutdown_cancel_in_the_same_turn_as_the_deadline_is_not_swallowed() -> None:
+    """The ticker and Server.close may both cancel a connection before it runs again: the one
+    CancelledError it sees then must stay a cancellation, not become a timeout."""
+
+    async def reading(deadline_holder: list[Deadline], outcome: list[str]) -> None:
+        deadlines = Deadlines(lambda: 3600)  # the test calls _expire itself
+        deadline = deadlines.watch()
+        deadline_holder.append(deadline)
+        deadline.arm(0)
+        try:
+            await asyncio.StreamReader().readexactly(1)
+        except asyncio.CancelledError:
+            if not deadline.fired():
+                outcome.append("cancelled")
+                raise
+            outcome.append("timed out")
+        finally:
+            deadlines.forget(deadline)
+            await deadlines.close()
+
+    async def main() -> list[str]:
+        holder: list[Deadline] = []
+        outcome: list[str] = []
+        task = asyncio.create_task(reading(holder, outcome))
+        await asyncio.sleep(0)  # it is waiting in its read now
+        holder[0]._expire(asyncio.get_running_loop().time() + 1)  # the ticker...
+        task.cancel()  # ...and the server's shutdown, before the task runs again
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return outcome
+
+    assert asyncio.run(main()) == ["cancelled"]
