@@ -133,7 +133,8 @@ class JobSpec(_Frozen):
     env: dict[str, str] = Field(default_factory=dict, description="environment the job starts with")
     request: ResourceRequest
     name: str | None = Field(default=None, max_length=128)
-    time_limit_s: float | None = Field(default=None, gt=0, description="wall-clock limit in seconds")
+    time_limit_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,  # inf would be stored as null
+                                       description="wall-clock limit in seconds")
     job_class: JobClass = "batch"
     nice: int = Field(default=0, ge=0, le=19)
     requeue: bool = False

@@ -244,6 +244,7 @@ _SUBMIT = b'{"op":"submit","spec":{"argv":["a"],"cwd":"/tmp","env":{},%s"request
     _SUBMIT % b'"argv":["b"],',  # a key twice: the last one counts
     b'{"op":"hello","op":"submit","spec":{"argv":["a"],"cwd":"/tmp","env":{},"request":{"kind":"whole","gpus":1}}}',
     _SUBMIT % b'"time_limit_s":NaN,', _SUBMIT % b'"time_limit_s":1e400,', _SUBMIT % b'"time_limit_s":"60",',
+    _SUBMIT % (b'"time_limit_s":' + b"9" * 400 + b","),  # an integer past the largest float: refused both ways
     _SUBMIT.replace(b'["a"]', b'["\\ud800"]'),  # a lone surrogate: JSON allows it, pydantic's reader does not
     _SUBMIT.replace(b'"gpus":1', b'"gpus":1.0'), _SUBMIT.replace(b'"gpus":1', b'"gpus":"1"'),
     b' {"op":"hello","version":"1.0"} ', b'\xef\xbb\xbf{"op":"hello","version":"1.0"}', b"\xff\xfe", b"{not json",
@@ -277,3 +278,11 @@ def test_only_results_without_floats_are_serialised_in_one_step() -> None:
         for name, field in model.model_fields.items():
             assert "float" not in str(field.annotation), (model.__name__, name)
     assert ok_body(RESULT_TYPES["show"].model_construct()) is None
+
+
+@pytest.mark.parametrize("limit", [b"1e400", b"9" * 400, b"Infinity"])
+def test_a_time_limit_must_be_finite(limit: bytes) -> None:
+    """An infinite limit would be stored as null (no limit at all) after a restart: refused."""
+    with pytest.raises(ProtocolError) as exc:
+        parse_frame(_SUBMIT % (b'"time_limit_s":' + limit + b","))
+    assert exc.value.code is ErrorCode.BAD_REQUEST and "spec.time_limit_s" in exc.value.message
