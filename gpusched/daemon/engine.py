@@ -120,7 +120,6 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
     async def start(self) -> None:
         """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
         await self.refresh_inventory()
-        await self.apply_static_layouts()
         saved = self.store.get_meta("standing")
         load = getattr(self.scheduler, "load_standing", None)
         if saved and callable(load):
@@ -143,6 +142,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
                              if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
             await self._recover()
+            # Only now: the jobs re-adopted just above hold instances that a new `mig = [...]` must
+            # not destroy (busy_devices() knows them from here on).
+            await self.apply_static_layouts()
             self.requeue_all()
         self._write_job_mapping()
         self.devices.start_watching(self._on_gpu_event)

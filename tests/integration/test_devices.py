@@ -28,7 +28,7 @@ from gpusched.protocol import (
     SimResult,
 )
 from gpusched_cli.client import Client
-from tests.conftest import DaemonHandle, wait_until
+from tests.conftest import DaemonHandle, kill_job_processes, wait_until
 from tests.integration.test_daemon import spec, state_of, submit, wait_done
 
 
@@ -192,3 +192,52 @@ def test_drain_and_resume_need_an_admin_and_a_real_device(daemon: DaemonHandle) 
         assert health == "drained: drained by root: maintenance"
         assert c.call(GpuResumeRequest(device=drained.devices[0]), DevicesChanged).devices == drained.devices
         c.call(CancelRequest(job_ids=[job_id]), CancelResult)
+
+
+def test_a_restart_with_another_fixed_layout_keeps_the_instance_a_running_job_holds(tmp_path: Any) -> None:
+    """The GPU keeps its instances across a daemon restart (the same simulated driver here, as real
+    hardware would); a new `mig = [...]` applied at start must see the re-adopted job as busy."""
+    import asyncio
+    import os
+
+    from gpusched.config import DaemonConfig
+    from gpusched.daemon import main as daemon_main
+    from gpusched.gpu.nvml import NvmlBackend
+    from gpusched.gpu.simnvml import SimNVML
+    from tests.conftest import short_tmpdir
+
+    base = short_tmpdir()
+    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
+              "sim": "H100-80GB:1", "cgroup_root": "off", "allow_root_jobs": True, "kill_grace_s": 2.0}
+    driver = SimNVML.from_spec("H100-80GB:1")
+
+    async def scenario() -> tuple[list[str], list[str], JobState | None]:
+        first = await daemon_main.start(DaemonConfig(**common, gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])}),
+                                        backend=NvmlBackend(driver), backend_name="sim")
+        made = await first.engine.submit(uid=0, gid=0, user="root", spec=mig_spec("3g.40gb", "sleep", "60"))
+        for _ in range(300):
+            job = first.engine.get(made.job_id)
+            if job is not None and job.state is JobState.RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        assert job is not None and job.allocation is not None, "the MIG job did not start"
+        held = job.allocation.uuids
+        await daemon_main.stop(first)
+        second = await daemon_main.start(DaemonConfig(**common, gpus={"0": GpuConfig(mig=["7g.80gb"])}),
+                                         backend=NvmlBackend(driver), backend_name="sim")
+        try:
+            instances = [i.uuid for g in second.engine.inventory.gpus for i in g.instances]
+            again = second.engine.get(made.job_id)
+            state = again.state if again is not None else None
+            if again is not None:
+                await second.engine.cancel(again, "test over")
+        finally:
+            await daemon_main.stop(second)
+        return held, instances, state
+
+    try:
+        held, instances, state = asyncio.run(scenario())
+    finally:
+        kill_job_processes(common["state_dir"])
+    assert state is JobState.RUNNING
+    assert set(held) <= set(instances)  # its instance was kept: the new layout changed only idle ones
