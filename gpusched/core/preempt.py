@@ -99,3 +99,7 @@ class LossBudget:
 
     def spend(self, user: str, now: float, gpu_s: float) -> None:
         self._window(user, now).append((now, gpu_s))
+
+    def carry_over(self, old: LossBudget) -> None:
+        """What `old` counted as lost in the last day (a reload's new budget keeps its own size)."""
+        self._lost = {user: deque(entries) for user, entries in old._lost.items()}

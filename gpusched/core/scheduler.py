@@ -182,6 +182,15 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         """Restore what export_standing gave; call before the first plan."""
         self.fair.load_standing(standing)
 
+    def carry_over(self, old: Scheduler) -> None:
+        """A reload's new scheduler (new weights, quanta or limits) keeps what the old one learned and
+        counted: each user's place, the run-time history, each user's requeue losses of the last
+        day and each job's preemption count. Call before the first plan."""
+        self.fair.load_standing(old.export_standing())
+        self.estimator.load_history(old.estimator.export_history())
+        self._budget.carry_over(old._budget)
+        self._times_preempted.update(old._times_preempted)
+
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""
         if job.id in self._failed:

@@ -82,8 +82,9 @@ class Daemon:
     async def reload(self) -> ReloadResult:
         """Re-read the configuration and apply what can change live; keep the old one if the new is bad.
 
-        Weights and quanta take effect by rebuilding the scheduler with the saved standing, so nobody
-        loses their place. Raises ConfigError (nothing changed) for a bad file.
+        Weights and quanta take effect by rebuilding the scheduler with what the old one knew (each
+        user's place, run-time history, requeue losses, preemption counts), so nobody loses their place.
+        Raises ConfigError (nothing changed) for a bad file.
         """
         if self.loader is None:
             raise ConfigError("this daemon was started without a config file; there is nothing to re-read")
@@ -103,9 +104,9 @@ class Daemon:
             self.metrics.max_connections = applied.metrics_max_connections
         engine.devices.health.auto_resume_after_s = applied.health_auto_resume_s
         if {"fairness", "scheduler", "mig"} & set(live):
-            standing = engine.scheduler.export_standing()
+            old_scheduler = engine.scheduler
             engine.scheduler = Scheduler(scheduler_config(applied), incremental=True)
-            engine.scheduler.load_standing(standing)
+            engine.scheduler.carry_over(old_scheduler)
             engine.requeue_all()
         if "gpus" in live:
             await engine.apply_static_layouts()

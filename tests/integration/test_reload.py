@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -94,3 +95,46 @@ def test_reload_that_makes_a_gpu_shared_is_seen_by_the_next_submit(
         job_id = c.call(SubmitRequest(spec=share), SubmitResult).job_id
         assert wait_done(c, job_id).job.state is JobState.COMPLETED
     assert proc.terminate() == 0
+
+
+def test_a_reload_keeps_run_time_history_requeue_losses_and_preemption_counts(tmp_path: Any) -> None:
+    """A reload that changes [scheduler] builds a new scheduler: what the old one learned and
+    counted goes over to it (and the history is what gets saved at shutdown, not an empty one)."""
+    import asyncio
+    import json
+    import os
+
+    from gpusched.config import DaemonConfig
+    from gpusched.daemon import main as daemon_main
+    from gpusched.daemon.store import Store
+    from tests.conftest import short_tmpdir
+
+    base = short_tmpdir()
+    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
+              "sim": "H100-80GB:1", "cgroup_root": "off"}
+    config = DaemonConfig(**common)
+    changed = DaemonConfig(**common, scheduler={"preempt_min_gain_s": 60.0})
+
+    async def scenario() -> None:
+        daemon = await daemon_main.start(config, loader=lambda: changed)
+        try:
+            before = daemon.engine.scheduler
+            now = daemon.engine.clock()
+            before.load_history({"user=alice": [10.0, 20.0]})
+            before._budget.spend("alice", now, 14000.0)
+            before._times_preempted[42] = 1
+            result = await daemon.reload()
+            after = daemon.engine.scheduler
+            assert result.changed == ["scheduler"] and after is not before
+            assert after.export_history() == {"user=alice": [10.0, 20.0]}
+            assert after._budget.left("alice", now) == 14400.0 - 14000.0  # the default budget, less what was lost
+            assert after._times_preempted == {42: 1}
+        finally:
+            await daemon_main.stop(daemon)
+
+    asyncio.run(scenario())
+    store = Store(config.db_path)
+    try:
+        assert json.loads(store.get_meta("runtime_history") or "{}") == {"user=alice": [10.0, 20.0]}
+    finally:
+        store.close()
