@@ -116,9 +116,11 @@ class Daemon:
 
 
 # Settings bound to resources acquired at start (the socket, the database, the driver, cgroups, the
-# metrics listener): a reload reports them and a restart applies them.
+# metrics listener, the checkpoint tool that checkpointed jobs need to be restored): a reload
+# reports them and a restart applies them.
 RESTART_KEYS = frozenset({"socket", "state_dir", "sim", "cgroup_root", "metrics_address", "metrics_allow_remote",
-                          "mps_control", "launcher", "mode"})
+                          "mps_control", "launcher", "mode", "checkpoint", "checkpoint_binary",
+                          "checkpoint_timeout_s", "checkpoint_moves"})
 
 
 PRUNE_INTERVAL_S = 60.0

@@ -138,3 +138,33 @@ def test_a_reload_keeps_run_time_history_requeue_losses_and_preemption_counts(tm
         assert json.loads(store.get_meta("runtime_history") or "{}") == {"user=alice": [10.0, 20.0]}
     finally:
         store.close()
+
+
+def test_a_reload_reports_the_checkpoint_settings_as_needing_a_restart(tmp_path: Any) -> None:
+    """Checkpointed jobs need the tool that checkpointed them: the reload must not claim to have
+    switched it (it did not), but list the keys under restart_needed and keep them as they were."""
+    import asyncio
+    import os
+
+    from gpusched.config import DaemonConfig
+    from gpusched.daemon import main as daemon_main
+    from tests.conftest import short_tmpdir
+
+    base = short_tmpdir()
+    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
+              "sim": "H100-80GB:1", "cgroup_root": "off"}
+    config = DaemonConfig(**common)
+    off = DaemonConfig(**common, checkpoint=False, checkpoint_timeout_s=5.0)
+
+    async def scenario() -> tuple[list[str], list[str], bool, bool]:
+        daemon = await daemon_main.start(config, loader=lambda: off)
+        try:
+            enabled = daemon.engine.checkpoints.enabled
+            result = await daemon.reload()
+            return result.changed, result.restart_needed, enabled, daemon.engine.config.checkpoint
+        finally:
+            await daemon_main.stop(daemon)
+
+    changed, restart, enabled, still = asyncio.run(scenario())
+    assert enabled and still  # the simulated tool is there; the config keeps the running value
+    assert changed == [] and restart == ["checkpoint", "checkpoint_timeout_s"]
