@@ -133,6 +133,10 @@ class FairShare:
     def _V_for_new(self) -> float:
         return self.V() if self._sum_w > 0 else self._v_idle
 
+    def knows(self, user: str) -> bool:
+        """Has this user had work since the scheduler started (so `weight` is theirs, not the default)?"""
+        return user in self._users
+
     def weight(self, user: str) -> float:
         """Effective weight now (group share applied)."""
         u = self._users.get(user)

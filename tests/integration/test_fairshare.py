@@ -22,6 +22,9 @@ from gpusched.protocol import (
     QueueResult,
     ShowRequest,
     ShowResult,
+    StatsRequest,
+    StatsResult,
+    TopSnapshot,
 )
 from gpusched_cli.client import Client
 from tests.conftest import DaemonHandle, wait_until
@@ -248,3 +251,18 @@ def test_dynamic_gpus_leave_mig_mode_for_a_whole_gpu_job_and_return_for_mig_work
     events = [e for e in daemon.daemon.store.events(limit=50) if e.kind == "mig_mode"]
     assert [e.message.split(":")[0] for e in events] == ["MIG mode off", "MIG mode off", "MIG mode on"]
     assert f"job {pod} needs 2 whole GPU(s)" in events[0].message
+
+
+def test_stats_and_top_show_a_group_members_share_of_the_group_weight(daemon_factory: Any) -> None:
+    """With [fairness.groups], a member's weight is the group's (split among its active members):
+    `stats` and `top` must show that, not the member's own configured weight."""
+    daemon = daemon_factory(fairness={"groups": {"root": "lab"}, "group_weights": {"lab": 1000}})
+    with daemon.client() as c:
+        blocker = submit(c, spec("sleep", "30", gpus=2))
+        wait_until(lambda: state_of(c, blocker) is JobState.RUNNING, what="job running")
+        [root] = c.call(StatsRequest(), StatsResult).users
+        assert root.weight == 1000
+        c.call(CancelRequest(job_ids=[blocker]), CancelResult)
+    with daemon.client() as c:  # `top`'s stream, first snapshot (taken while the job is still there or not)
+        snapshot = TopSnapshot.model_validate(c.request({"op": "watch", "max_rate_hz": 20}))
+    assert all(u.weight == 1000 for u in snapshot.users if u.user == root.user)
