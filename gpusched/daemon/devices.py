@@ -41,7 +41,10 @@ class DeviceManager:
         self._thread: threading.Thread | None = None
         saved = store.get_meta(_DRAINED_KEY)
         for device, rec in (json.loads(saved) if saved else {}).items():
-            self.health.drain(device, rec["reason"], rec["since"], auto_resume=rec["auto_resume"])
+            auto = rec["auto_resume"]
+            self.health.drain(device, rec["reason"], rec["since"], auto_resume=auto)
+            # the last fault restarts the quiet period (a record from before it was kept has only `since`)
+            self.health.drain(device, rec["reason"], rec.get("last_fault", rec["since"]), auto_resume=auto)
 
     # ---- events from the driver ------------------------------------------------------------------
 
@@ -78,9 +81,10 @@ class DeviceManager:
                                    device=",".join(decision.devices)))
         if newly:
             log.warning("drained %s: %s", ", ".join(newly), decision.reason)
-            self._persist()
         else:
             log.info("GPU %d: %s", event.gpu_index, decision.reason)
+        if decision.action is HealthAction.DRAIN:  # new drains, and a repeat fault's fresh quiet period
+            self._persist()
         return decision
 
     # ---- drains ----------------------------------------------------------------------------------
@@ -125,7 +129,7 @@ class DeviceManager:
 
     def _persist(self) -> None:
         self.store.set_meta(_DRAINED_KEY, json.dumps({
-            d: {"reason": r.reason, "since": r.since, "auto_resume": r.auto_resume}
+            d: {"reason": r.reason, "since": r.since, "last_fault": r.last_fault, "auto_resume": r.auto_resume}
             for d, r in self.health.drained().items()
         }))
 
