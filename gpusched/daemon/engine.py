@@ -331,6 +331,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             allocation = action.allocation.model_copy(update={"env": self.checkpoints.launch_env(job.id)})
             self.checkpoints.restoring_to(job.id, allocation.uuids)
             job = self.jobs[job.id] = self.store.update(job, allocation=allocation)
+            self._write_job_mapping()  # it may be restored on other devices: they are its now
             self._spawn(self._restore(job))
             return
         if job is None or job.state is not JobState.PENDING:

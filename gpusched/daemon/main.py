@@ -110,6 +110,8 @@ class Daemon:
             engine.requeue_all()
         if "gpus" in live:
             await engine.apply_static_layouts()
+        if "job_mapping_dir" in live:
+            engine._write_job_mapping()  # the new directory maps the jobs running now, not from the next change
         engine.wake()
         log.info("configuration reloaded: changed %s; needing a restart: %s", live or "nothing", restart or "nothing")
         return ReloadResult(changed=live, restart_needed=restart)

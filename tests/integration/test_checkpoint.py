@@ -246,10 +246,14 @@ _PREEMPT_AT_ONCE = SchedulerSection(preempt_lag_margin_gpu_s=0.0)
 
 
 @needs_root
-def test_a_checkpointed_job_resumes_on_another_gpu_of_its_model_that_frees_first(daemon_factory: Any) -> None:
+def test_a_checkpointed_job_resumes_on_another_gpu_of_its_model_that_frees_first(daemon_factory: Any,
+                                                                                 tmp_path: Any) -> None:
     """checkpoint_moves = true: its GPU stays taken, the other one frees, and it is restored there
-    through --device-map: same process, no work redone, its environment as it was launched."""
-    daemon = daemon_factory(sim="H100-80GB:2", checkpoint_moves=True, scheduler=_PREEMPT_AT_ONCE)
+    through --device-map: same process, no work redone, its environment as it was launched; the
+    DCGM job mapping follows it to its new GPU."""
+    mapping = tmp_path / "dcgm-job-map"
+    daemon = daemon_factory(sim="H100-80GB:2", checkpoint_moves=True, scheduler=_PREEMPT_AT_ONCE,
+                            job_mapping_dir=str(mapping))
     with daemon.client() as c:
         trainer, pid, other_job, _interactive, own, other = _two_gpus_one_taken_back(daemon, c)
         assert daemon.call_in_loop(lambda: daemon.daemon.engine.snapshot().checkpoint_moves)
@@ -266,6 +270,7 @@ def test_a_checkpointed_job_resumes_on_another_gpu_of_its_model_that_frees_first
         assert after.pid == pid and after.allocation is not None and after.allocation.uuids == [other]
         assert after.reason == f"restored from checkpoint on other GPUs of the same model: {own} -> {other}"
         assert after.allocation.env["CUDA_VISIBLE_DEVICES"] == own  # unchanged: the driver maps it to {other}
+        assert (mapping / str(after.allocation.devices[0].gpu_index)).read_text() == f"{trainer}\n"
         _counts_on_without_redoing(c, trainer)
         [restored] = [e for e in _events(daemon.state_dir, trainer) if e.kind == "restored"]
         assert restored.device == other and f"{own} -> {other}" in restored.message

@@ -168,3 +168,42 @@ def test_a_reload_reports_the_checkpoint_settings_as_needing_a_restart(tmp_path:
     changed, restart, enabled, still = asyncio.run(scenario())
     assert enabled and still  # the simulated tool is there; the config keeps the running value
     assert changed == [] and restart == ["checkpoint", "checkpoint_timeout_s"]
+
+
+def test_a_reload_that_sets_job_mapping_dir_maps_the_jobs_running_now(tmp_path: Any) -> None:
+    import asyncio
+    import os
+
+    from gpusched.config import DaemonConfig
+    from gpusched.daemon import main as daemon_main
+    from tests.conftest import kill_job_processes, short_tmpdir
+
+    base = short_tmpdir()
+    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
+              "sim": "H100-80GB:1", "cgroup_root": "off", "allow_root_jobs": True, "kill_grace_s": 2.0}
+    mapping = tmp_path / "dcgm-job-map"
+    with_mapping = DaemonConfig(**common, job_mapping_dir=str(mapping))
+
+    async def scenario() -> tuple[int, list[str], str]:
+        daemon = await daemon_main.start(DaemonConfig(**common), loader=lambda: with_mapping)
+        try:
+            made = await daemon.engine.submit(uid=0, gid=0, user="root", spec=spec("sleep", "30"))
+            for _ in range(300):
+                job = daemon.engine.get(made.job_id)
+                if job is not None and job.state is JobState.RUNNING:
+                    break
+                await asyncio.sleep(0.05)
+            result = await daemon.reload()
+            text = (mapping / "0").read_text() if (mapping / "0").exists() else ""
+            running = daemon.engine.get(made.job_id)
+            if running is not None:
+                await daemon.engine.cancel(running, "test over")
+            return made.job_id, result.changed, text
+        finally:
+            await daemon_main.stop(daemon)
+
+    try:
+        job_id, changed, text = asyncio.run(scenario())
+    finally:
+        kill_job_processes(common["state_dir"])
+    assert changed == ["job_mapping_dir"] and text == f"{job_id}\n"
