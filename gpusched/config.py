@@ -245,10 +245,12 @@ def load_config(
     try:
         return DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"{source}: invalid configuration: {problems}") from None
+        raise ConfigError(f"{source}: invalid configuration: {describe_errors(exc)}") from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """`key.path: problem` for each error, joined: what a config error message lists."""
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors())
 
 
 def _read_toml(path: str) -> dict[str, Any]:

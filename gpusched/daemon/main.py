@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import click
+from pydantic import ValidationError
 
 from gpusched import __version__
-from gpusched.config import ConfigError, DaemonConfig, load_config
+from gpusched.config import ConfigError, DaemonConfig, describe_errors, load_config
 from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
@@ -93,7 +94,11 @@ class Daemon:
         changed = [k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)]
         restart = [k for k in changed if k in RESTART_KEYS]
         live = [k for k in changed if k not in RESTART_KEYS]
-        applied = new.model_copy(update={k: getattr(old, k) for k in restart})
+        try:  # the keys that wait for a restart keep their old values: the mix must hold together too
+            applied = DaemonConfig.model_validate({**new.model_dump(), **{k: getattr(old, k) for k in restart}})
+        except ValidationError as exc:
+            raise ConfigError(f"the new configuration does not hold together with the settings that keep their "
+                              f"values until a restart ({', '.join(restart)}): {describe_errors(exc)}") from None
         engine = self.engine
         engine.config = applied
         self.config = applied

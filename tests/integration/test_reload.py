@@ -207,3 +207,33 @@ def test_a_reload_that_sets_job_mapping_dir_maps_the_jobs_running_now(tmp_path: 
     finally:
         kill_job_processes(common["state_dir"])
     assert changed == ["job_mapping_dir"] and text == f"{job_id}\n"
+
+
+def test_a_reload_cannot_mix_a_new_file_with_a_restart_key_into_a_forbidden_configuration(tmp_path: Any) -> None:
+    """`mode` waits for a restart, `gpus` does not: a file that says mode = "standalone" and dynamic
+    MIG must not give a slurm-node daemon dynamic MIG (which slurm-node forbids) until it restarts."""
+    import asyncio
+    import os
+
+    from gpusched.config import ConfigError, DaemonConfig, GpuConfig
+    from gpusched.daemon import main as daemon_main
+    from tests.conftest import short_tmpdir
+
+    base = short_tmpdir()
+    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
+              "sim": "H100-80GB:1", "cgroup_root": "off"}
+    slurm_node = DaemonConfig(**common, mode="slurm-node", gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])})
+    standalone = DaemonConfig(**common, gpus={"0": GpuConfig(mig="dynamic")})
+
+    async def scenario() -> tuple[str, object]:
+        daemon = await daemon_main.start(slurm_node, loader=lambda: standalone)
+        try:
+            with pytest.raises(ConfigError) as refused:
+                await daemon.reload()
+            return str(refused.value), daemon.engine.config.gpus["0"].mig
+        finally:
+            await daemon_main.stop(daemon)
+
+    message, mig = asyncio.run(scenario())
+    assert "mode" in message and 'cannot be used with mode = "slurm-node"' in message
+    assert mig == ["3g.40gb", "3g.40gb"]  # nothing applied
