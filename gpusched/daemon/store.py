@@ -280,13 +280,17 @@ class _Change:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         store = self._store
+        if self._mode == 0:
+            return
         if self._mode == 1:
             store._savepoints -= 1
             if exc_type is not None:
                 store._db.execute("ROLLBACK TO change")
             store._db.execute("RELEASE change")
-        elif self._mode == 2:
-            store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        elif exc_type is not None:
+            store._db.execute("ROLLBACK")
+        else:
+            store._commit()  # a COMMIT that fails leaves no transaction open behind it
 
 
 def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from gpusched.arrayspec import parse_array_spec
 from gpusched.daemon.schema import SCHEMA_VERSION
 from gpusched.daemon.store import Store, StoreReader
@@ -143,3 +145,16 @@ def test_a_schema_3_database_gets_each_jobs_spec_bytes(tmp_path: Path) -> None:
     assert store.waiting_totals() == {1: (4, spec_bytes(_spec("/bin/one")) + 3 * share)}
     assert array_id in store.arrays([array_id])
     store.close()
+
+
+def test_a_change_whose_commit_fails_leaves_no_transaction_open(tmp_path: Path) -> None:
+    """A COMMIT can fail (here a foreign key checked only at COMMIT): the change is rolled back and
+    raised, and the next change starts its own transaction instead of failing on a stale one."""
+    store = Store(str(tmp_path / "db.sqlite"))
+    with pytest.raises(sqlite3.IntegrityError), store._tx() as db:
+        db.execute("PRAGMA defer_foreign_keys = ON")  # for this transaction only
+        db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (999, 0, 'PENDING', 0, 'x')")
+    assert not store._db.in_transaction
+    store.set_meta("after", "works")
+    assert store.get_meta("after") == "works"
+    assert store._db.execute("SELECT COUNT(*) FROM transitions").fetchone()[0] == 0
