@@ -20,7 +20,7 @@ waiting job would fit once some are gone.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -103,3 +103,15 @@ class LossBudget:
     def carry_over(self, old: LossBudget) -> None:
         """What `old` counted as lost in the last day (a reload's new budget keeps its own size)."""
         self._lost = {user: deque(entries) for user, entries in old._lost.items()}
+
+    def export(self) -> dict[str, list[list[float]]]:
+        """Plain data for the store: per user, [when, GPU-s] of each loss still counted."""
+        return {user: [[at, gpu_s] for at, gpu_s in entries] for user, entries in self._lost.items() if entries}
+
+    def load(self, saved: Mapping[str, Sequence[Sequence[float]]]) -> None:
+        """Restore what `export` gave; entries that are not [when, GPU-s] pairs of numbers are skipped."""
+        for user, entries in saved.items():
+            kept = deque((float(e[0]), float(e[1])) for e in entries if isinstance(e, (list, tuple)) and len(e) == 2
+                         and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e))
+            if isinstance(user, str) and kept:
+                self._lost[user] = kept

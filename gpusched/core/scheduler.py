@@ -16,6 +16,7 @@ failed goes back to PENDING and simply reappears in `snapshot.pending`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from gpusched.core.actions import (
     Action,
@@ -181,6 +182,21 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
     def load_standing(self, standing: Mapping[str, Mapping[str, float]]) -> None:
         """Restore what export_standing gave; call before the first plan."""
         self.fair.load_standing(standing)
+
+    def export_preemptions(self) -> dict[str, Any]:
+        """What preemption has cost so far, for the store: each user's requeue losses of the last day
+        (the budget) and each job's preemption count (the per-job cap). A restart keeps both."""
+        return {"losses": self._budget.export(), "times": {str(j): n for j, n in self._times_preempted.items()}}
+
+    def load_preemptions(self, saved: Mapping[str, Any]) -> None:
+        """Restore what export_preemptions gave; call before the first plan. Malformed parts are skipped."""
+        losses = saved.get("losses")
+        if isinstance(losses, dict):
+            self._budget.load(losses)
+        times = saved.get("times")
+        if isinstance(times, dict):
+            self._times_preempted.update({int(j): n for j, n in times.items()
+                                          if isinstance(j, str) and j.isdigit() and isinstance(n, int)})
 
     def carry_over(self, old: Scheduler) -> None:
         """A reload's new scheduler (new weights, quanta or limits) keeps what the old one learned and

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -40,6 +39,7 @@ from gpusched.daemon.executor import Executor
 from gpusched.daemon.groupcommit import GroupCommit
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env
 from gpusched.daemon.recovery import StopRequest
+from gpusched.daemon.standing import load_scheduler_state, save_scheduler_state
 from gpusched.daemon.store import Store
 from gpusched.gcpause import gc_paused
 from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory
@@ -120,20 +120,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
     async def start(self) -> None:
         """Load unfinished jobs, recover running ones, read the GPUs, and start the loop."""
         await self.refresh_inventory()
-        saved = self.store.get_meta("standing")
-        load = getattr(self.scheduler, "load_standing", None)
-        if saved and callable(load):
-            try:
-                load(json.loads(saved))
-            except Exception:
-                log.exception("saved fair-share standing is unreadable; every user starts at lag 0")
-        history = self.store.get_meta("runtime_history")
-        load_history = getattr(self.scheduler, "load_history", None)
-        if history and callable(load_history):
-            try:
-                load_history(json.loads(history))
-            except (ValueError, TypeError, AttributeError) as exc:  # a damaged record costs estimates, not service
-                log.warning("ignoring saved run-time history: %s", exc)
+        load_scheduler_state(self.store, self.scheduler)  # standing, preemption budgets, run-time history
         # A load allocates millions of objects and frees none: no cyclic collections meanwhile
         # (gcpause.py; the daemon's main then freezes what was loaded).
         with gc_paused():
@@ -385,13 +372,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             self._finish(job_id, status)
 
     def _persist_standing(self, *, final: bool = False) -> None:
-        """Each user's place (lag, service) survives restarts and crashes; so do the recent run times
-        the estimates come from, written at most once a minute (they can be megabytes) and at shutdown."""
-        export = getattr(self.scheduler, "export_standing", None)
-        if callable(export):
-            self.store.set_meta("standing", json.dumps(export()))
-        history = getattr(self.scheduler, "export_history", None)
+        """What the scheduler learned and counted survives restarts and crashes (standing.py); the run
+        times at most once a minute (they can be megabytes) and at shutdown."""
         now = self.clock()
-        if callable(history) and (final or now - self._history_saved_at >= _HISTORY_EVERY_S):
-            self.store.set_meta("runtime_history", json.dumps(history()))
+        history = final or now - self._history_saved_at >= _HISTORY_EVERY_S
+        save_scheduler_state(self.store, self.scheduler, history=history)
+        if history:
             self._history_saved_at = now

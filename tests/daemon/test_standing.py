@@ -1,0 +1,61 @@
+"""What the scheduler counted survives a restart: the requeue-loss budget of the last day and each
+job's preemption count (daemon/standing.py), beside the standing and the run-time history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from gpusched.config import DaemonConfig
+from gpusched.core.scheduler import Scheduler, SchedulerConfig
+from gpusched.daemon import main as daemon_main
+from gpusched.daemon.store import Store
+from tests.conftest import short_tmpdir
+
+
+def test_preemption_records_round_trip_and_malformed_parts_are_skipped() -> None:
+    before = Scheduler(SchedulerConfig(), incremental=True)
+    before._budget.spend("alice", 1000.0, 600.0)
+    before._times_preempted[7] = 2
+    saved = json.loads(json.dumps(before.export_preemptions()))
+    after = Scheduler(SchedulerConfig(), incremental=True)
+    after.load_preemptions(saved)
+    assert after._budget.left("alice", 1000.0) == before._budget.left("alice", 1000.0) == 14400.0 - 600.0
+    assert after._times_preempted == {7: 2}
+    odd = Scheduler(SchedulerConfig(), incremental=True)
+    odd.load_preemptions({"losses": {"bob": [[1, 2], "x", [1, "y"], [True, 3.0]], "eve": "no"},
+                          "times": {"x": 1, "8": "two", "9": 1}})
+    assert odd._budget.export() == {"bob": [[1.0, 2.0]]} and odd._times_preempted == {9: 1}
+
+
+def test_a_restart_keeps_the_budget_spent_and_the_counts() -> None:
+    base = short_tmpdir()
+    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
+                          sim="H100-80GB:1", cgroup_root="off")
+
+    async def first() -> float:
+        daemon = await daemon_main.start(config)
+        try:
+            now = daemon.engine.clock()
+            daemon.engine.scheduler._budget.spend("alice", now, 14000.0)
+            daemon.engine.scheduler._times_preempted[42] = 1
+            return now
+        finally:
+            await daemon_main.stop(daemon)  # saves at shutdown
+
+    async def second(now: float) -> tuple[float, dict[int, int]]:
+        daemon = await daemon_main.start(config)
+        try:
+            return daemon.engine.scheduler._budget.left("alice", now), dict(daemon.engine.scheduler._times_preempted)
+        finally:
+            await daemon_main.stop(daemon)
+
+    when = asyncio.run(first())
+    left, times = asyncio.run(second(when))
+    assert left == 14400.0 - 14000.0 and times == {42: 1}
+    store = Store(config.db_path)
+    try:
+        assert set(json.loads(store.get_meta("preemptions") or "{}")) == {"losses", "times"}
+    finally:
+        store.close()
