@@ -70,12 +70,13 @@ def device_labels(result: GpusResult | JSON) -> dict[str, str]:
 
 
 def queue_table(jobs: Sequence[JobSummary | JSON], now: float, labels: Mapping[str, str] | None = None,
-                arrays: Sequence[ArraySummary | JSON] = ()) -> str:
+                arrays: Sequence[ArraySummary | JSON] = (), *, keep_order: bool = False) -> str:
     """The `gpusched queue` table; says so plainly when there is nothing to show.
 
     `labels` names devices (see `device_labels`); a device it does not know is shown as a short UUID.
     An array task is named `120_7`; each array is one row (`123_[1-10000%8]`, its tasks counted by
-    state), in id order with the jobs.
+    state), in id order with the jobs. With `keep_order` (`--order fairness`) the jobs stay in the
+    order the daemon gave, the order the scheduler would start them, and the arrays follow.
     """
     if not jobs and not arrays:
         return "No jobs."
@@ -104,7 +105,7 @@ def queue_table(jobs: Sequence[JobSummary | JSON], now: float, labels: Mapping[s
         )
         for a in map(plain, arrays)
     ]
-    return table(QUEUE_HEADERS, [row for _, row in sorted(rows, key=lambda r: r[0])])
+    return table(QUEUE_HEADERS, [row for _, row in (rows if keep_order else sorted(rows, key=lambda r: r[0]))])
 
 
 def _exit_text(job: JSON) -> str:

@@ -456,3 +456,18 @@ def test_submit_export_list_sends_only_those_variables(node: DaemonHandle) -> No
         assert c.call(ShowRequest(job_id=job_id), ShowResult).job.spec.env == {"KEEP": "yes", "EXTRA": "1"}
     bad = gs(node, "submit", "--gpus", "1", "--export", "A-B", "--", "true")
     assert bad.exit_code == 2 and "--export" in bad.stderr
+
+
+def test_queue_order_fairness_lists_pending_jobs_as_the_scheduler_would_start_them(node: DaemonHandle) -> None:
+    """The table keeps the daemon's order (it used to re-sort by id): a nice 19 job submitted first
+    comes after a nice 0 one, as in --json."""
+    blocker = submit(node, "--gpus", "2", "--", "sleep", "60")
+    wait_until(lambda: state_of(node, blocker) is JobState.RUNNING, what="blocker running")
+    late = submit(node, "--gpus", "1", "--nice", "19", "--", "true")
+    early = submit(node, "--gpus", "1", "--", "true")
+    ordered = [row["id"] for row in json.loads(gs(node, "queue", "--order", "fairness", "--json").stdout)["jobs"]]
+    assert ordered.index(early) < ordered.index(late)
+    table = gs(node, "queue", "--order", "fairness").stdout.splitlines()[1:]
+    listed = [int(line.split()[0]) for line in table if line.split()[0].isdigit()]
+    assert listed == ordered
+    assert gs(node, "cancel", str(blocker), str(late), str(early)).exit_code == 0

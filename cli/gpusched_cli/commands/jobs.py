@@ -47,7 +47,8 @@ def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limi
         print_json(result)
         return
     with reading("queue", result):
-        text = render.queue_table(result["jobs"], time.time(), labels, result.get("arrays", []))
+        text = render.queue_table(result["jobs"], time.time(), labels, result.get("arrays", []),
+                                  keep_order=order == "fairness")
         hidden = result.get("total", 0) - len(result["jobs"])
     echo(text)
     if hidden > 0:
