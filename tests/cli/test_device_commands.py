@@ -36,6 +36,13 @@ def test_mig_apply_dry_run_then_apply(daemon_factory: Callable[..., DaemonHandle
     assert profiles == ["2g.20gb", "3g.40gb"]
     bad = gs(node, "mig", "apply", "1", "3g.40gb")
     assert bad.exit_code == 1 and "not in MIG mode" in bad.stderr
+    for slip in ("", " , ", "3g.40gb,,2g.20gb"):  # never read as `none`: that destroys every idle instance
+        refused = gs(node, "mig", "apply", "0", slip)
+        assert refused.exit_code == 2 and "LAYOUT" in refused.stderr and "no empty entries" in refused.stderr
+    kept = sorted(i["profile"] for i in json.loads(gs(node, "gpus", "--json").stdout)["gpus"][0]["instances"])
+    assert kept == ["2g.20gb", "3g.40gb"]
+    cleared = gs(node, "mig", "apply", "0", "none")
+    assert cleared.exit_code == 0 and "destroy 2" in cleared.stdout
 
 
 def test_sim_inject_xid_fails_the_job_on_that_gpu(daemon: DaemonHandle) -> None:

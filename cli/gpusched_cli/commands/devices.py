@@ -76,7 +76,13 @@ def mig_apply(ctx: click.Context, gpu: int, layout: str, dry_run: bool, as_json:
     Instances that already match are kept; only idle ones are destroyed; if a busy instance would
     have to go, nothing changes and the job holding it is named.
     """
-    profiles = [] if layout.strip().lower() == "none" else [p.strip() for p in layout.split(",") if p.strip()]
+    if layout.strip().lower() == "none":
+        profiles: list[str] = []
+    else:
+        profiles = [p.strip() for p in layout.split(",")]
+        if not all(profiles):  # "" or "3g.40gb,,1g.10gb": a slip, not a request to destroy every instance
+            raise click.BadParameter("give a comma-separated list of profiles (e.g. 3g.40gb,2g.20gb) with "
+                                     "no empty entries, or `none` to remove every instance", param_hint="'LAYOUT'")
     with connected(ctx) as client:
         result = client.request(messages.mig_apply(gpu, profiles, dry_run))
     if as_json:
