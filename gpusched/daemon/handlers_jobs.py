@@ -87,12 +87,15 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
             else:
                 live[j.id] = j
     stored: list[SummaryRow] = []
+    finished_total = 0  # finished rows that matched, listed or not (`total` counts them all)
     if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
         stored = await _read(ctx, lambda r: r.summaries(limit=req.limit, after_id=req.after_id, user=req.user))
-    elif req.all and len(live) < req.limit:
+    elif req.all:
         # Finished array tasks are counted in their array's row, so they must not take the rows left.
-        stored = await _read(ctx, lambda r: r.summaries(limit=req.limit - len(live), user=req.user, finished=True,
-                                                        tasks=not compact))
+        stored, finished_total = await _read(ctx, lambda r: (
+            r.summaries(limit=max(0, req.limit - len(live)), user=req.user, finished=True, tasks=not compact)
+            if len(live) < req.limit else [],
+            r.count_summaries(user=req.user, finished=True, tasks=not compact)))
     finished = {row.id: row for row in stored if row.id not in live}
     ended_arrays: set[int] = set()
     if compact and req.all:  # arrays whose tasks have all ended are listed too, the newest first
@@ -112,7 +115,7 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
         if size > REPLY_BUDGET:
             break
         rows.append(row)
-    return QueueResult(jobs=rows, total=len(ordered), arrays=arrays)
+    return QueueResult(jobs=rows, total=max(len(ordered), len(live) + finished_total), arrays=arrays)
 
 
 async def _array_summaries(ctx: Context, live: dict[int, list[Job]], ended: set[int]) -> list[ArraySummary]:

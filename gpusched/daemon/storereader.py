@@ -109,18 +109,7 @@ class StoreReader(ArrayReads):
         """Listing rows in id order: the first `limit` above `after_id`, else the newest `limit`
         (only ended jobs with `finished`; no array tasks without `tasks`). Specs are never read: the
         columns hold what a row shows."""
-        clauses: list[str] = [] if tasks else ["array_id IS NULL"]
-        args: list[Any] = []
-        if after_id is not None:
-            clauses.append("id > ?")
-            args.append(after_id)
-        if user is not None:
-            clauses.append("user = ?")
-            args.append(user)
-        if finished:
-            clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
-            args.extend(s.value for s in TERMINAL_STATES)
-        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        where, args = _listing_filter(after_id=after_id, user=user, finished=finished, tasks=tasks)
         order = "ASC" if after_id is not None else "DESC"
         rows = self._db.execute(f"SELECT {_SUMMARY_COLUMNS} FROM jobs {where} ORDER BY id {order} LIMIT ?",
                                 (*args, limit)).fetchall()
@@ -132,6 +121,11 @@ class StoreReader(ArrayReads):
             for r in rows
         ]
         return out if after_id is not None else out[::-1]
+
+    def count_summaries(self, *, user: str | None = None, finished: bool = False, tasks: bool = True) -> int:
+        """How many rows `summaries` would list with no limit (what `queue --all` says is left out)."""
+        where, args = _listing_filter(after_id=None, user=user, finished=finished, tasks=tasks)
+        return int(self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()[0])
 
     def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
         cur = self._db.execute(
@@ -180,3 +174,19 @@ class StoreReader(ArrayReads):
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
+
+
+def _listing_filter(*, after_id: int | None, user: str | None, finished: bool, tasks: bool) -> tuple[str, list[Any]]:
+    """The WHERE clause (and its arguments) of a listing: `summaries` and `count_summaries` alike."""
+    clauses: list[str] = [] if tasks else ["array_id IS NULL"]
+    args: list[Any] = []
+    if after_id is not None:
+        clauses.append("id > ?")
+        args.append(after_id)
+    if user is not None:
+        clauses.append("user = ?")
+        args.append(user)
+    if finished:
+        clauses.append(f"state IN ({', '.join('?' for _ in TERMINAL_STATES)})")
+        args.extend(s.value for s in TERMINAL_STATES)
+    return ("WHERE " + " AND ".join(clauses)) if clauses else "", args

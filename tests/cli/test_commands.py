@@ -471,3 +471,16 @@ def test_queue_order_fairness_lists_pending_jobs_as_the_scheduler_would_start_th
     listed = [int(line.split()[0]) for line in table if line.split()[0].isdigit()]
     assert listed == ordered
     assert gs(node, "cancel", str(blocker), str(late), str(early)).exit_code == 0
+
+
+def test_queue_all_with_a_limit_counts_the_finished_rows_it_leaves_out(node: DaemonHandle) -> None:
+    """`total` counts every row that matched, finished ones included, and the table says how many
+    were left out (it counted only the finished rows it had fetched, so nothing seemed left out)."""
+    done = [submit(node, "--gpus", "1", "--", "true") for _ in range(3)]
+    for job_id in done:
+        wait_state(node, job_id, TERMINAL_STATES)
+    active = [submit(node, "--gpus", "2", "--", "sleep", "60"), submit(node, "--gpus", "2", "--", "true")]
+    listing = json.loads(gs(node, "queue", "--all", "--limit", "3", "--json").stdout)
+    assert len(listing["jobs"]) == 3 and listing["total"] == 5
+    assert "... 2 more not shown" in gs(node, "queue", "--all", "--limit", "3").stdout
+    assert gs(node, "cancel", *map(str, active)).exit_code == 0
