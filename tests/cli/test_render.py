@@ -167,7 +167,10 @@ def test_show_text_gives_the_estimate_and_when_a_job_should_start() -> None:
     short = RuntimeEstimate(runtime_s=0.3, source="previous jobs of this shape")
     text = render.show_text(ShowResult(job=job, estimate=short), now=T0 + 30, tz=UTC)
     assert re.search(r"estimate +0\.3 s \(previous jobs of this shape\)", text)
-    assert re.search(r"est\. start +unknown", text)
+    assert re.search(r"est\. start +unknown \(needs a MIG change, or too many jobs ahead\)", text)
+    after = render.show_text(ShowResult(job=job, estimate=short, waiting_reason="waiting for job 117 to complete"),
+                             now=T0 + 30, tz=UTC)  # not in the scheduler's queue yet: no guess about MIG
+    assert re.search(r"est\. start +unknown \(once what it waits for has ended\)", after)
 
 
 def _gpu(index: int, **kw: object) -> GpuInfo:
