@@ -484,3 +484,14 @@ def test_queue_all_with_a_limit_counts_the_finished_rows_it_leaves_out(node: Dae
     assert len(listing["jobs"]) == 3 and listing["total"] == 5
     assert "... 2 more not shown" in gs(node, "queue", "--all", "--limit", "3").stdout
     assert gs(node, "cancel", *map(str, active)).exit_code == 0
+
+
+def test_stats_since_past_the_daemons_bound_names_the_flag(node: DaemonHandle) -> None:
+    from gpusched.protocol import StatsRequest
+    from gpusched_cli.commands.node import MAX_STATS_WINDOW_S
+
+    bound = StatsRequest.model_fields["since_s"].metadata
+    assert any(getattr(m, "le", None) == MAX_STATS_WINDOW_S for m in bound)  # the CLI says the daemon's bound
+    result = gs(node, "stats", "--since", "400d")
+    assert result.exit_code == 2 and "--since" in result.stderr and "366 days" in result.stderr
+    assert gs(node, "stats", "--since", "366d").exit_code == 0

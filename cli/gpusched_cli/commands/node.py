@@ -10,6 +10,8 @@ from gpusched_cli.exits import EXIT_ERROR
 from gpusched_cli.parse import parse_duration_s
 from gpusched_cli.results import reading
 
+MAX_STATS_WINDOW_S = 366 * 86400  # StatsRequest.since_s's bound in the protocol (the CLI does not import it)
+
 
 @click.command()
 @click.option("--once", is_flag=True, help="print one snapshot and exit (for scripts)")
@@ -43,6 +45,9 @@ def stats(ctx: click.Context, since: str, as_json: bool) -> None:
         window = parse_duration_s(since)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--since") from None
+    if window > MAX_STATS_WINDOW_S:  # the daemon's bound (protocol StatsRequest.since_s), said in the flag's terms
+        raise click.BadParameter(f"{since!r} is longer than the 366 days the daemon can report on",
+                                 param_hint="--since")
     with connected(ctx) as client:
         result = client.request(messages.stats(window))
     if as_json:
