@@ -38,7 +38,7 @@ def parse_size_mib(text: str) -> int:
         raise ValueError(f"{text!r} is too large")
     if mib <= 0:
         raise ValueError(f"{text!r} must be larger than zero")
-    return math.ceil(mib - 1e-9)
+    return max(1, math.ceil(mib - 1e-9))  # (the 1e-9 forgives float noise; anything above zero is 1 MiB at least)
 
 
 _SUFFIX_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$", re.IGNORECASE)

@@ -25,6 +25,8 @@ from gpusched_cli.render import format_duration, format_mib
         ("1T", 1024 * 1024),
         ("2048K", 2),
         ("100K", 1),  # rounded up: a cap is never below what was asked
+        (".0000000001", 1),  # however little above zero: 1 MiB, not 0
+        (".0000000001K", 1),
         (".5G", 512),
     ],
 )
