@@ -495,3 +495,11 @@ def test_stats_since_past_the_daemons_bound_names_the_flag(node: DaemonHandle) -
     result = gs(node, "stats", "--since", "400d")
     assert result.exit_code == 2 and "--since" in result.stderr and "366 days" in result.stderr
     assert gs(node, "stats", "--since", "366d").exit_code == 0
+
+
+def test_a_value_the_job_model_refuses_is_named_by_its_flag(node: DaemonHandle) -> None:
+    too_long = gs(node, "submit", "--gpus", "1", "--name", "n" * 129, "--", "true")
+    assert too_long.exit_code == 2 and "'--name'" in too_long.stderr and "128 characters" in too_long.stderr
+    huge = gs(node, "submit", "--gpus", "1", "--after", "9" * 20, "--", "true")
+    assert huge.exit_code == 2 and "'--after'" in huge.stderr and "is not a job id" in huge.stderr
+    assert "pydantic" not in huge.stderr and "validation error" not in huge.stderr

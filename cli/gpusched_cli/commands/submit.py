@@ -52,11 +52,9 @@ After = tuple[int, int | None, Literal["ok", "any"]]  # (job or array id, array 
 def _after_flag(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[After]:
     try:
         deps = [dep for text in value for dep in parse_dependencies(text)]
-        if any(job_id > JOB_ID_MAX for job_id, _, _ in deps):  # no such job can exist: the model says why
-            from gpusched.model import Dependency
-
-            for job_id, _, condition in deps:
-                Dependency(job_id=job_id, condition=condition)  # raises ValidationError, a ValueError
+        too_big = [job_id for job_id, _, _ in deps if job_id > JOB_ID_MAX]
+        if too_big:  # no such job can exist
+            raise ValueError(f"{too_big[0]} is not a job id: ids go up to {JOB_ID_MAX}")
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
     return deps
@@ -170,8 +168,18 @@ def might_be_invalid(spec: dict[str, Any]) -> bool:
     )
 
 
+# The flag each field of a job spec comes from, to name it when the model refuses a value.
+_FLAG_OF_FIELD = {
+    "name": "--name", "time_limit_s": "--time", "job_class": "--class", "nice": "--nice", "cpus": "--cpus",
+    "mem_mib": "--mem", "precision": "--precision", "after": "--after", "env": "--export", "argv": "CMD",
+    "request.gpus": "--gpus", "request.profile": "--mig", "request.fraction": "--share",
+    "request.gpu_mem_mib": "--gpu-mem",
+}
+
+
 def check_with_model(spec: dict[str, Any]) -> None:
-    """Validate `spec` with the JobSpec model; a refusal is a usage error naming the field."""
+    """Validate `spec` with the JobSpec model; a refusal is a usage error naming the flag (or, for
+    the rest of a spec, the field)."""
     from pydantic import ValidationError
 
     from gpusched.model import JobSpec
@@ -180,7 +188,12 @@ def check_with_model(spec: dict[str, Any]) -> None:
     try:
         JobSpec.model_validate(spec)
     except ValidationError as exc:
-        raise click.UsageError(describe_validation_error(exc)) from None
+        path = describe_validation_error(exc).split(":", 1)[0]
+        flag = next((f for field, f in _FLAG_OF_FIELD.items() if path == field or path.startswith(field + ".")),
+                    None)
+        if flag is None:
+            raise click.UsageError(describe_validation_error(exc)) from None
+        raise click.BadParameter(exc.errors()[0]["msg"], param_hint=f"'{flag}'") from None
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
