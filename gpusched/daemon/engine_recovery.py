@@ -86,6 +86,11 @@ class RecoveryMixin(EngineCore):
             elif rule.verdict is Verdict.REQUEUE:
                 if job.state is JobState.STARTING and not self.executor.revoke(job.id):
                     return  # a shim took the launch after all: the next tick sees it run
+                stop = self._stops.get(job.id)
+                if stop is not None:  # cancelled (or its launch failed) while starting: it never ran, and ends so
+                    self._cleanup(job.id)
+                    self._end(job, stop.final, f"{stop.reason} (before its launch ran)", ended_at=self.clock())
+                    return
                 self._set(job, JobState.PENDING, rule.reason, allocation=None, pid=None, started_at=None,
                           ended_at=None, exit_code=None, signal=None)
             elif rule.verdict is Verdict.LOST:

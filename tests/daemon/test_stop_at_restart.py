@@ -1,0 +1,53 @@
+"""A job cancelled while STARTING, whose launch never ran before the daemon went away, ends as
+cancelled at the restart: it is not queued again, started, and only then killed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+from gpusched.config import DaemonConfig
+from gpusched.daemon import main as daemon_main
+from gpusched.daemon.store import Store
+from gpusched.model import JobSpec, JobState, WholeRequest
+from tests.conftest import kill_job_processes, short_tmpdir
+
+
+def test_a_cancel_saved_while_starting_ends_the_job_when_its_launch_never_ran() -> None:
+    base = short_tmpdir()
+    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
+                          sim="H100-80GB:1", cgroup_root="off", allow_root_jobs=True)
+    marker = os.path.join(base, "ran")
+
+    async def create() -> None:
+        await daemon_main.stop(await daemon_main.start(config))
+
+    asyncio.run(create())
+    # What a daemon that died between committing STARTING (and a cancel) and the launch leaves behind.
+    store = Store(config.db_path)
+    now = time.time()
+    spec = JobSpec(argv=["sh", "-c", f"echo ran > {marker}"], cwd="/tmp", env={"PATH": os.environ["PATH"]},
+                   request=WholeRequest(gpus=1))
+    job = store.submit(uid=os.getuid(), gid=os.getgid(), user="me", spec=spec, now=now)
+    job = store.transition(job, JobState.STARTING, now=now, reason="placed", started_at=now)
+    store.set_meta("stop_requests", json.dumps({str(job.id): ["CANCELLED", "cancelled by me"]}))
+    store.close()
+
+    async def restart() -> tuple[list[tuple[JobState, str]], str | None]:
+        daemon = await daemon_main.start(config)
+        try:
+            ended = daemon.engine.get(job.id)  # recovery runs inside start(): decided by now
+            assert ended is not None
+            return [(t.state, t.reason) for t in ended.history], daemon.engine.store.get_meta("stop_requests")
+        finally:
+            await daemon_main.stop(daemon)
+
+    try:
+        history, stops = asyncio.run(restart())
+    finally:
+        kill_job_processes(config.state_dir)
+    assert [s for s, _ in history] == [JobState.PENDING, JobState.STARTING, JobState.CANCELLED]
+    assert history[-1][1] == "cancelled by me (before its launch ran)"
+    assert json.loads(stops or "{}") == {} and not os.path.exists(marker)
