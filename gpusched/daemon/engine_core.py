@@ -211,7 +211,7 @@ class EngineCore:
             "stop_requests", json.dumps({str(k): [v.final.value, v.reason] for k, v in self._stops.items()})
         )
 
-    def _end(self, job: Job, final: JobState, reason: str, **fields: object) -> Job:
+    def _end(self, job: Job, final: JobState, reason: str, **fields: Any) -> Job:
         """Move a job to `final` by legal steps (a STARTING job that ran passes through RUNNING)."""
         if job.state in TERMINAL_STATES:
             return job
@@ -239,8 +239,9 @@ class EngineCore:
                 log.warning("job %d: cgroup %s still has processes; left in place", job_id,
                             self.cgroups.job_path(job_id))
 
-    def _set(self, job: Job, state: JobState, reason: str, **fields: object) -> Job:
-        updated = self.store.transition(job, state, now=self.clock(), reason=reason, **fields)
+    def _set(self, job: Job, state: JobState, reason: str, *, at: float | None = None, **fields: object) -> Job:
+        """Commit a transition (at `at`, for one that happened earlier than now), then keep every index current."""
+        updated = self.store.transition(job, state, now=self.clock() if at is None else at, reason=reason, **fields)
         self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)

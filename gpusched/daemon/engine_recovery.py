@@ -78,7 +78,8 @@ class RecoveryMixin(EngineCore):
                 self._finish(job.id, trace.exit)
             elif rule.verdict is Verdict.ADOPT:
                 if job.state is JobState.STARTING:
-                    job = self._set(job, JobState.RUNNING, rule.reason, pid=trace.pid)
+                    # It has run since its launch, not since now: its time limit counts from then.
+                    job = self._set(job, JobState.RUNNING, rule.reason, at=job.started_at, pid=trace.pid)
                 elif job.pid != trace.pid and trace.pid:
                     job = self.jobs[job.id] = self.store.update(job, pid=trace.pid)
                 if job.id in self._stops:
