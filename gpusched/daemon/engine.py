@@ -113,6 +113,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
         self._handing: set[int] = set()  # array tasks accepted but not yet handed to the scheduler
         self._tasks: set[asyncio.Task[None]] = set()
+        self._gpu_state_moves: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.passes = 0
         self.shutting_down = False
@@ -148,6 +149,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._gpu_state_moves:
+            # A checkpoint or restore cut off halfway leaves the job's processes locked or checkpointed
+            # with nothing recorded: let them end (each cuda-checkpoint call has its own deadline).
+            await asyncio.wait(set(self._gpu_state_moves), timeout=4 * self.config.checkpoint_timeout_s)
         for task in list(self._tasks):
             task.cancel()
         for timer in self._kill_timers.values():
@@ -242,7 +247,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                 self.scheduler.pin(job.id, self.checkpoints.resume_devices(job.id, self.inventory))
                 self.scheduler.submit(job)
             elif job.id in self.checkpoints.saved and job.state is JobState.SUSPENDED:
-                self._spawn(self._restore(job))  # the daemon stopped while restoring it: finish that
+                self._spawn(self._restore(job), gpu_state=True)  # the daemon stopped while restoring it: finish that
                 continue
         for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.saved)
                        if j is None or j.state is not JobState.SUSPENDED]:
@@ -283,7 +288,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         elif isinstance(action, PreemptJob):
             job = self.jobs.get(action.job_id)
             if job is not None and action.mode == "checkpoint":
-                self._spawn(self._checkpoint(job, action.reason))
+                self._spawn(self._checkpoint(job, action.reason), gpu_state=True)
             elif job is not None and action.mode == "suspend":
                 self._yield(job, action.reason)
             elif job is not None and job.state in ACTIVE_STATES and job.spec.requeue:
@@ -319,7 +324,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             self.checkpoints.restoring_to(job.id, allocation.uuids)
             job = self.jobs[job.id] = self.store.update(job, allocation=allocation)
             self._write_job_mapping()  # it may be restored on other devices: they are its now
-            self._spawn(self._restore(job))
+            self._spawn(self._restore(job), gpu_state=True)
             return
         if job is None or job.state is not JobState.PENDING:
             return

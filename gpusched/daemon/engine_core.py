@@ -84,6 +84,7 @@ class EngineCore:
     _requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]]
     _handing: set[int]
     _tasks: set[asyncio.Task[None]]
+    _gpu_state_moves: set[asyncio.Task[None]]  # checkpoints and restores under way
     _loop_task: asyncio.Task[None] | None
 
     def wake(self) -> None:
@@ -318,7 +319,12 @@ class EngineCore:
         async with self._changed:
             self._changed.notify_all()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, gpu_state: bool = False) -> None:
+        """Run `coro` beside the loop. `gpu_state`: it checkpoints or restores a job's GPU state, which
+        must not be cut off halfway (the job would stay locked or checkpointed): stop waits for it."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if gpu_state:
+            self._gpu_state_moves.add(task)
+            task.add_done_callback(self._gpu_state_moves.discard)

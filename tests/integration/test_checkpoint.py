@@ -130,6 +130,50 @@ def test_a_checkpointed_job_survives_a_daemon_restart_and_is_restored_after_it(d
 
 
 @needs_root
+def test_a_checkpoint_under_way_when_the_daemon_stops_is_finished_first(daemon_factory: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop (systemctl restart) that lands after cuda-checkpoint froze the job's processes and
+    before the job is recorded SUSPENDED waits for the checkpoint to end: cut off there, the job
+    stayed RUNNING in the store with its processes checkpointed, frozen for good."""
+    import asyncio
+    import threading
+
+    from gpusched.daemon.checkpointing import Checkpoints
+
+    checkpointed, release = threading.Event(), threading.Event()
+    real = Checkpoints.checkpoint
+
+    async def stopped_midway(self: Checkpoints, job: Any, pids: list[int]) -> None:
+        await real(self, job, pids)  # the processes are checkpointed...
+        checkpointed.set()
+        await asyncio.to_thread(release.wait, 30)  # ...and the daemon is told to stop before the job is SUSPENDED
+
+    monkeypatch.setattr(Checkpoints, "checkpoint", stopped_midway)
+    daemon = daemon_factory(sim="H100-80GB:1")
+    with daemon.client() as c:
+        trainer, pid = _counting(c, daemon.socket, at_least=3)
+        interactive = _submit(20011, daemon.socket, ["sleep", "1"], job_class="interactive")
+        assert checkpointed.wait(30), "the checkpoint did not start"
+    assert daemon.daemon is not None
+    engine = daemon.daemon.engine
+    stopper = threading.Thread(target=daemon.stop)
+    stopper.start()
+    wait_until(lambda: engine._loop_task is not None and engine._loop_task.done(), what="the engine stopping")
+    release.set()  # only now, with the stop under way
+    stopper.join(60)
+    monkeypatch.setattr(Checkpoints, "checkpoint", real)
+    daemon.restart()
+    with daemon.client() as c:
+        held = c.call(ShowRequest(job_id=trainer), ShowResult).job
+        assert held.state is JobState.SUSPENDED and held.pid == pid, (held.state, held.reason)
+        wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive job done")
+        wait_until(lambda: state_of(c, trainer) is JobState.RUNNING, timeout=30, what="trainer restored")
+        _counts_on_without_redoing(c, trainer)
+        c.call(CancelRequest(job_ids=[trainer]), CancelResult)
+        wait_until(lambda: state_of(c, trainer) is JobState.CANCELLED, what="trainer cancelled")
+
+
+@needs_root
 def test_cancelling_a_checkpointed_job_ends_it_and_frees_nothing_twice(daemon_factory: Any) -> None:
     daemon = daemon_factory(sim="H100-80GB:1")
     with daemon.client() as c:
