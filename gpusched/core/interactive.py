@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gpusched.core.placement import Cluster
 
@@ -35,6 +35,18 @@ class InteractiveDemand:
             self._last = demand
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()  # the first kept sample is the level at the window's start
+
+    def export(self) -> list[list[float]]:
+        """The samples as plain data, for the store: the headroom a restart keeps (docs/scheduling.md)."""
+        return [[at, demand] for at, demand in self._samples]
+
+    def load(self, saved: Sequence[Sequence[float]]) -> None:
+        """Restore what `export` gave (before the first observation); pairs that are not numbers are skipped."""
+        kept = [(float(e[0]), float(e[1])) for e in saved if isinstance(e, (list, tuple)) and len(e) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)]
+        if kept:
+            self._samples = deque(sorted(kept))
+            self._last = self._samples[-1][1]
 
     def peak(self, now: float) -> float:
         if not self._samples:

@@ -198,14 +198,25 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
             self._times_preempted.update({int(j): n for j, n in times.items()
                                           if isinstance(j, str) and j.isdigit() and isinstance(n, int)})
 
+    def export_demand(self) -> list[list[float]]:
+        """The interactive demand of the last window (what sizes the headroom), for the store."""
+        return self._demand.export()
+
+    def load_demand(self, saved: Sequence[Sequence[float]]) -> None:
+        """Restore what export_demand gave; call before the first plan. After a restart the headroom
+        stays for interactive users active within the window, as it would have without one."""
+        self._demand.load(saved)
+
     def carry_over(self, old: Scheduler) -> None:
         """A reload's new scheduler (new weights, quanta or limits) keeps what the old one learned and
         counted: each user's place, the run-time history, each user's requeue losses of the last
-        day and each job's preemption count. Call before the first plan."""
+        day, each job's preemption count and the interactive demand of the last window. Call before
+        the first plan."""
         self.fair.load_standing(old.export_standing())
         self.estimator.load_history(old.estimator.export_history())
         self._budget.carry_over(old._budget)
         self._times_preempted.update(old._times_preempted)
+        self._demand.load(old._demand.export())
 
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""

@@ -1,6 +1,7 @@
 """What the scheduler has learned and counted, kept in the store's meta table across restarts and
 crashes: each user's place (fair-share standing), the preemption budgets spent and each job's
-preemption count, and the run times the estimates come from."""
+preemption count, the interactive demand that sizes the headroom, and the run times the estimates
+come from."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ log = logging.getLogger("gpusched.engine")
 _LOADERS = {
     "standing": ("load_standing", "every user starts at lag 0"),
     "preemptions": ("load_preemptions", "the preemption budgets and counts start afresh"),
+    "interactive_demand": ("load_demand", "the interactive headroom starts from current demand"),
     "runtime_history": ("load_history", "estimates start from the defaults"),
 }
 
@@ -37,6 +39,7 @@ def save_scheduler_state(store: Store, scheduler: Any, *, history: bool) -> None
     too (they can be megabytes: the engine saves them at most once a minute, and at shutdown)."""
     with store.batch():
         for key, exporter_name in (("standing", "export_standing"), ("preemptions", "export_preemptions"),
+                                   ("interactive_demand", "export_demand"),
                                    *((("runtime_history", "export_history"),) if history else ())):
             exporter = getattr(scheduler, exporter_name, None)
             if callable(exporter):

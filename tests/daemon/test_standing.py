@@ -29,7 +29,7 @@ def test_preemption_records_round_trip_and_malformed_parts_are_skipped() -> None
     assert odd._budget.export() == {"bob": [[1.0, 2.0]]} and odd._times_preempted == {9: 1}
 
 
-def test_a_restart_keeps_the_budget_spent_and_the_counts() -> None:
+def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand() -> None:
     base = short_tmpdir()
     config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
                           sim="H100-80GB:1", cgroup_root="off")
@@ -40,22 +40,40 @@ def test_a_restart_keeps_the_budget_spent_and_the_counts() -> None:
             now = daemon.engine.clock()
             daemon.engine.scheduler._budget.spend("alice", now, 14000.0)
             daemon.engine.scheduler._times_preempted[42] = 1
+            daemon.engine.scheduler._demand.observe(now - 60, 1.0)  # an interactive job ran a minute ago
+            daemon.engine.scheduler._demand.observe(now - 30, 0.0)
             return now
         finally:
             await daemon_main.stop(daemon)  # saves at shutdown
 
-    async def second(now: float) -> tuple[float, dict[int, int]]:
+    async def second(now: float) -> tuple[float, dict[int, int], float]:
         daemon = await daemon_main.start(config)
         try:
-            return daemon.engine.scheduler._budget.left("alice", now), dict(daemon.engine.scheduler._times_preempted)
+            sched = daemon.engine.scheduler
+            return sched._budget.left("alice", now), dict(sched._times_preempted), sched._demand.peak(now)
         finally:
             await daemon_main.stop(daemon)
 
     when = asyncio.run(first())
-    left, times = asyncio.run(second(when))
+    left, times, peak = asyncio.run(second(when))
     assert left == 14400.0 - 14000.0 and times == {42: 1}
+    assert peak == 1.0  # the headroom is still kept for the interactive user of a minute ago
     store = Store(config.db_path)
     try:
         assert set(json.loads(store.get_meta("preemptions") or "{}")) == {"losses", "times"}
     finally:
         store.close()
+
+
+def test_interactive_demand_round_trips_and_malformed_samples_are_skipped() -> None:
+    from gpusched.core.interactive import InteractiveDemand
+
+    demand = InteractiveDemand(3600.0)
+    demand.observe(100.0, 2.0)
+    demand.observe(200.0, 0.5)
+    again = InteractiveDemand(3600.0)
+    again.load(json.loads(json.dumps(demand.export())))
+    assert again.export() == demand.export() and again.peak(300.0) == 2.0
+    odd = InteractiveDemand(3600.0)
+    odd.load([[1, 2], "x", [True, 1], [3]])  # type: ignore[list-item]
+    assert odd.export() == [[1.0, 2.0]]
