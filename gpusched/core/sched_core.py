@@ -203,6 +203,7 @@ class SchedulerCore:
     _gpu_idle_since: dict[int, float]
     _preempting: dict[int, float]
     _started_at_first_plan: float | None
+    _charged_until: float | None
     _blocked: dict[int, str | Wording | None]
     _reservation: _Reservation | None
     _reserve_args: ReserveArgs | None

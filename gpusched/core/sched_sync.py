@@ -46,7 +46,10 @@ class SyncMixin(SchedulerCore):
         """Charge every active job for the time since its last charge; settle jobs that ended."""
         seen: set[int] = set()
         touched: set[str] = set()
-        first = self._started_at_first_plan if self._started_at_first_plan is not None else now
+        # A job this scheduler did not start is charged from when the saved standing stopped charging
+        # it (a restart: the downtime counts), else from this scheduler's first pass.
+        first = (self._charged_until if self._charged_until is not None
+                 else self._started_at_first_plan if self._started_at_first_plan is not None else now)
         for job in active:
             if job.state not in ACTIVE_STATES or job.allocation is None:
                 continue
@@ -82,6 +85,7 @@ class SyncMixin(SchedulerCore):
             touched.add(rec.user)
         for user in sorted(touched):  # sorted: replay must not depend on PYTHONHASHSEED
             self._sync_user(user)
+        self._charged_until = None  # it was for the jobs found running at the first pass, adopted now
 
     def _track_idle(self, snapshot: Snapshot, now: float) -> None:
         """Remember since when each MIG instance has been idle (hysteresis for destroying it)."""

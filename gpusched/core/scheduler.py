@@ -116,6 +116,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._gpu_idle_since: dict[int, float] = {}  # dynamic GPU -> since when nothing has run on it
         self._preempting: dict[int, float] = {}
         self._started_at_first_plan: float | None = None
+        self._charged_until: float | None = None  # a restart's standing charged running jobs up to here
         # pending job id -> why it did not start in the last pass; None: it did not fit, and what it
         # needs is worded only when someone asks (against the pass's final placement state)
         self._blocked: dict[int, str | Wording | None] = {}
@@ -198,6 +199,17 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
             self._times_preempted.update({int(j): n for j, n in times.items()
                                           if isinstance(j, str) and j.isdigit() and isinstance(n, int)})
 
+    def export_charged_until(self) -> float | None:
+        """Up to when the exported standing has charged running jobs (the last pass's time), for the store."""
+        return self._last_now if self._started_at_first_plan is not None else None
+
+    def load_charged_until(self, saved: float | None) -> None:
+        """Restore what export_charged_until gave; call before the first plan. Jobs that ran on while
+        no daemon was there are charged from then, not from this scheduler's first pass: the GPU
+        time of the downtime is charged to their users like any other."""
+        if isinstance(saved, (int, float)) and not isinstance(saved, bool):
+            self._charged_until = float(saved)
+
     def export_demand(self) -> list[list[float]]:
         """The interactive demand of the last window (what sizes the headroom), for the store."""
         return self._demand.export()
@@ -217,6 +229,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._budget.carry_over(old._budget)
         self._times_preempted.update(old._times_preempted)
         self._demand.load(old._demand.export())
+        self.load_charged_until(old.export_charged_until())
 
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""

@@ -18,6 +18,7 @@ _LOADERS = {
     "standing": ("load_standing", "every user starts at lag 0"),
     "preemptions": ("load_preemptions", "the preemption budgets and counts start afresh"),
     "interactive_demand": ("load_demand", "the interactive headroom starts from current demand"),
+    "charged_until": ("load_charged_until", "the downtime is not charged to the jobs that ran through it"),
     "runtime_history": ("load_history", "estimates start from the defaults"),
 }
 
@@ -39,7 +40,7 @@ def save_scheduler_state(store: Store, scheduler: Any, *, history: bool) -> None
     too (they can be megabytes: the engine saves them at most once a minute, and at shutdown)."""
     with store.batch():
         for key, exporter_name in (("standing", "export_standing"), ("preemptions", "export_preemptions"),
-                                   ("interactive_demand", "export_demand"),
+                                   ("interactive_demand", "export_demand"), ("charged_until", "export_charged_until"),
                                    *((("runtime_history", "export_history"),) if history else ())):
             exporter = getattr(scheduler, exporter_name, None)
             if callable(exporter):

@@ -77,3 +77,28 @@ def test_interactive_demand_round_trips_and_malformed_samples_are_skipped() -> N
     odd = InteractiveDemand(3600.0)
     odd.load([[1, 2], "x", [True, 1], [3]])  # type: ignore[list-item]
     assert odd.export() == [[1.0, 2.0]]
+
+
+def test_jobs_running_through_a_downtime_are_charged_for_it() -> None:
+    """The saved standing charged running jobs up to its last pass; a scheduler loaded from it charges
+    a job it finds running from then, so the GPU time used while no daemon ran is charged too."""
+    from gpusched.core.actions import Snapshot
+    from gpusched.model import AllocatedDevice, Allocation, Job, JobSpec, JobState, WholeRequest
+
+    gpu = AllocatedDevice(uuid="GPU-0", gpu_index=0, kind="gpu", profile=None)
+    spec = JobSpec(argv=["train"], cwd="/", request=WholeRequest(gpus=1))
+    job = Job(id=1, uid=1000, gid=1000, user="alice", spec=spec, state=JobState.RUNNING, submitted_at=0.0,
+              started_at=0.0, allocation=Allocation(devices=[gpu], compute_fraction=1.0))
+    before = Scheduler(SchedulerConfig(), incremental=True)
+    before.plan(Snapshot(gpus=(), pending=(), active=(job,)), now=100.0)
+    standing, until = before.export_standing(), before.export_charged_until()
+    assert until == 100.0
+    after_restart = Scheduler(SchedulerConfig(), incremental=True)  # down from 100 s to 1,000 s
+    after_restart.load_standing(standing)
+    after_restart.load_charged_until(until)
+    after_restart.plan(Snapshot(gpus=(), pending=(), active=(job,)), now=1000.0)
+    forgetful = Scheduler(SchedulerConfig(), incremental=True)
+    forgetful.load_standing(standing)
+    forgetful.plan(Snapshot(gpus=(), pending=(), active=(job,)), now=1000.0)
+    charged = after_restart.fair.export_standing()["alice"]["service"]
+    assert charged - forgetful.fair.export_standing()["alice"]["service"] == 900.0  # the 900 s of downtime
