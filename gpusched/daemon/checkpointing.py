@@ -44,6 +44,7 @@ from gpusched.model import Job, JobState
 MovesSetting = Literal["auto"] | bool
 
 META_KEY = "checkpointed"
+UNDERWAY_KEY = "checkpoints_underway"  # job id -> the pids a checkpoint is working on (until recorded)
 
 log = logging.getLogger("gpusched.checkpoint")
 
@@ -82,6 +83,7 @@ class Checkpoints:
         self.driver_version: str | None = None  # from the inventory
         self._gpus_written: dict[str, str] | None = None
         self.saved: dict[int, Saved] = _load(store.get_meta(META_KEY))
+        self.underway: dict[int, list[int]] = _load_underway(store.get_meta(UNDERWAY_KEY))
 
     @classmethod
     def from_config(cls, store: Store, *, enabled: bool, binary: str | None, timeout_s: float, sim: bool,
@@ -224,6 +226,18 @@ class Checkpoints:
         if self.saved.pop(job_id, None) is not None:
             self._save()
 
+    def begin(self, job_id: int, pids: list[int]) -> None:
+        """Before the first cuda-checkpoint call: a crash from here until `end` may leave these
+        processes locked or checkpointed with the job recorded RUNNING; the next start gives them
+        their GPU state back (Engine._repair_checkpoints)."""
+        self.underway[job_id] = list(pids)
+        self.store.set_meta(UNDERWAY_KEY, json.dumps({str(j): p for j, p in self.underway.items()}))
+
+    def end(self, job_id: int) -> None:
+        """The checkpoint is recorded (the job SUSPENDED) or rolled back."""
+        if self.underway.pop(job_id, None) is not None:
+            self.store.set_meta(UNDERWAY_KEY, json.dumps({str(j): p for j, p in self.underway.items()}))
+
     def _save(self) -> None:
         data: dict[str, dict[str, object]] = {}
         for job_id, entry in self.saved.items():
@@ -265,3 +279,15 @@ def _load(saved: str | None) -> dict[int, Saved]:
                     and isinstance(env, Mapping) and all(isinstance(v, str) for v in env.values()):
                 out[int(key)] = Saved(uuids, tuple(pids), dict(env), to)
     return out
+
+
+def _load_underway(saved: str | None) -> dict[int, list[int]]:
+    """The checkpoints under way when the last daemon stopped; malformed entries are dropped."""
+    try:
+        data = json.loads(saved) if saved else {}
+    except ValueError:
+        return {}
+    if not isinstance(data, Mapping):
+        return {}
+    return {int(k): [p for p in v if isinstance(p, int) and not isinstance(p, bool) and p > 0]
+            for k, v in data.items() if isinstance(k, str) and k.isdigit() and isinstance(v, list)}

@@ -130,6 +130,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
             self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
                              if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
             await self._recover()
+            await self._repair_checkpoints()  # a checkpoint the last daemon began and never recorded
             # Only now: the jobs re-adopted just above hold instances that a new `mig = [...]` must
             # not destroy (busy_devices() knows them from here on).
             await self.apply_static_layouts()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from gpusched.daemon.checkpointing import MoveRefused
@@ -46,6 +47,7 @@ class PreemptionMixin(EngineCore):
         if why_not is None:
             try:
                 pids = await asyncio.to_thread(cuda_pids, self.backend, job)
+                self.checkpoints.begin(job.id, pids)  # a crash from here on is repaired at the next start
                 await self.checkpoints.checkpoint(job, pids)
             except CheckpointError as exc:
                 why_not = f"{exc.message} (its CUDA state: {exc.state or 'unknown'})"
@@ -54,6 +56,7 @@ class PreemptionMixin(EngineCore):
             why_not = "it changed state while being checkpointed"  # it ended; its end releases the GPU
             self.checkpoints.forget(job.id)
         if why_not is not None or current is None:
+            self.checkpoints.end(job.id)
             log.warning("job %d: not preempted by checkpoint: %s", job.id, why_not)
             self.store.add_event(Event(at=self.clock(), kind="checkpoint_failed", job_id=job.id,
                                        message=f"not checkpointed, runs on: {why_not}"))
@@ -61,11 +64,35 @@ class PreemptionMixin(EngineCore):
             self.wake()
             return
         current = self._set(current, JobState.SUSPENDED, reason, allocation=None)
+        self.checkpoints.end(job.id)
         self.scheduler.pin(current.id, self.checkpoints.resume_devices(current.id, self.inventory))
         self.scheduler.submit(current)
         self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
                                    message=f"checkpointed; its GPU state waits in host memory: {reason}"))
         self.wake()
+
+    async def _repair_checkpoints(self) -> None:
+        """At start: a checkpoint the last daemon began and never recorded (it crashed in between)
+        left the job RUNNING in the store with its processes locked or checkpointed. Give them their
+        GPU state back on the GPU they still hold; a job recorded SUSPENDED in time needs nothing."""
+        for job_id, pids in sorted(self.checkpoints.underway.items()):
+            job = self.jobs.get(job_id)
+            if job is not None and job.state is JobState.RUNNING:
+                self.checkpoints.forget(job_id)  # a record written just before the crash: it runs where it was
+                how = "its processes were given their GPU state back"
+                if self.checkpoints.tool is None:
+                    how = "checkpointing is off now: its processes may stay frozen (cuda-checkpoint is needed)"
+                else:
+                    for pid in pids:
+                        try:
+                            await self.checkpoints.tool.restore(pid)
+                        except CheckpointError as exc:
+                            if os.path.exists(f"/proc/{pid}"):  # a process that is gone needs nothing
+                                how = f"pid {pid} could not be restored: {exc.message}"
+                log.warning("job %d: a checkpoint was cut off by the last daemon's end; %s", job_id, how)
+                self.store.add_event(Event(at=self.clock(), kind="checkpoint_repaired", job_id=job_id,
+                                           message=f"a checkpoint cut off by the daemon's end: {how}"))
+            self.checkpoints.end(job_id)
 
     async def _restore(self, job: Job) -> None:
         """Give a checkpointed job its GPU state back on the devices it was given: the ones that held

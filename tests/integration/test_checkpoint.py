@@ -402,3 +402,58 @@ def test_after_a_daemon_restart_a_checkpointed_job_may_still_move(daemon_factory
         _counts_on_without_redoing(c, trainer)
         c.call(CancelRequest(job_ids=[trainer]), CancelResult)
         wait_until(lambda: state_of(c, trainer) is JobState.CANCELLED, what="trainer cancelled")
+
+
+def test_a_checkpoint_cut_off_by_a_crash_is_repaired_at_the_next_start() -> None:
+    """What a crash between cuda-checkpoint's first call and the SUSPENDED record leaves: the job
+    RUNNING in the store, its process checkpointed (frozen), the checkpoint noted as under way.
+    The next start gives the process its GPU state back, and the job runs on."""
+    import asyncio
+
+    from gpusched.config import DaemonConfig
+    from gpusched.daemon import main as daemon_main
+    from tests.conftest import kill_job_processes, short_tmpdir
+
+    base = short_tmpdir()
+    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
+                          sim="H100-80GB:1", cgroup_root="off", allow_root_jobs=True, kill_grace_s=2.0)
+    spec = JobSpec(argv=["sh", "-c", COUNTER], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=WholeRequest(gpus=1))
+
+    async def crash_midway() -> tuple[int, int]:
+        daemon = await daemon_main.start(config)
+        try:
+            made = await daemon.engine.submit(uid=0, gid=0, user="root", spec=spec)
+            for _ in range(400):
+                job = daemon.engine.get(made.job_id)
+                if job is not None and job.state is JobState.RUNNING and job.pid:
+                    break
+                await asyncio.sleep(0.025)
+            assert job is not None and job.pid, "the job did not start"
+            tool = daemon.engine.checkpoints.tool
+            assert tool is not None
+            daemon.engine.checkpoints.begin(job.id, [job.pid])  # as the crashed daemon had noted...
+            await tool.checkpoint(job.pid)  # ...and cuda-checkpoint had done, before the crash
+            assert await tool.state(job.pid) == "checkpointed"
+            return job.id, job.pid
+        finally:
+            await daemon_main.stop(daemon)  # knows nothing of it: the same as a crash for this job
+
+    async def restart(job_id: int, pid: int) -> tuple[JobState, str, list[str]]:
+        daemon = await daemon_main.start(config)
+        try:
+            job = daemon.engine.get(job_id)
+            assert job is not None and daemon.engine.checkpoints.tool is not None
+            state = await daemon.engine.checkpoints.tool.state(pid)
+            kinds = [e.kind for e in daemon.engine.store.events(job_id=job_id)]
+            await daemon.engine.cancel(job, "test over")
+            return job.state, state, kinds
+        finally:
+            await daemon_main.stop(daemon)
+
+    try:
+        job_id, pid = asyncio.run(crash_midway())
+        assert _proc_state(pid) == "T"  # frozen
+        state, cuda_state, kinds = asyncio.run(restart(job_id, pid))
+    finally:
+        kill_job_processes(config.state_dir)
+    assert state is JobState.RUNNING and cuda_state == "running" and "checkpoint_repaired" in kinds
