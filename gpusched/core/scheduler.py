@@ -186,8 +186,10 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
 
     def export_preemptions(self) -> dict[str, Any]:
         """What preemption has cost so far, for the store: each user's requeue losses of the last day
-        (the budget) and each job's preemption count (the per-job cap). A restart keeps both."""
-        return {"losses": self._budget.export(), "times": {str(j): n for j, n in self._times_preempted.items()}}
+        (the budget), each job's preemption count (the per-job cap) and the jobs whose checkpoint
+        failed (not offered for one again). A restart keeps them."""
+        return {"losses": self._budget.export(), "times": {str(j): n for j, n in self._times_preempted.items()},
+                "no_checkpoint": sorted(self._no_checkpoint)}
 
     def load_preemptions(self, saved: Mapping[str, Any]) -> None:
         """Restore what export_preemptions gave; call before the first plan. Malformed parts are skipped."""
@@ -198,6 +200,9 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         if isinstance(times, dict):
             self._times_preempted.update({int(j): n for j, n in times.items()
                                           if isinstance(j, str) and j.isdigit() and isinstance(n, int)})
+        refused = saved.get("no_checkpoint")
+        if isinstance(refused, list):  # jobs whose checkpoint failed are not offered for one again
+            self._no_checkpoint.update(j for j in refused if isinstance(j, int) and not isinstance(j, bool))
 
     def export_charged_until(self) -> float | None:
         """Up to when the exported standing has charged running jobs (the last pass's time), for the store."""
@@ -228,6 +233,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self.estimator.load_history(old.estimator.export_history())
         self._budget.carry_over(old._budget)
         self._times_preempted.update(old._times_preempted)
+        self._no_checkpoint.update(old._no_checkpoint)
         self._demand.load(old._demand.export())
         self.load_charged_until(old.export_charged_until())
 

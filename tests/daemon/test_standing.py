@@ -18,11 +18,12 @@ def test_preemption_records_round_trip_and_malformed_parts_are_skipped() -> None
     before = Scheduler(SchedulerConfig(), incremental=True)
     before._budget.spend("alice", 1000.0, 600.0)
     before._times_preempted[7] = 2
+    before.preempt_failed(9)  # its checkpoint failed
     saved = json.loads(json.dumps(before.export_preemptions()))
     after = Scheduler(SchedulerConfig(), incremental=True)
     after.load_preemptions(saved)
     assert after._budget.left("alice", 1000.0) == before._budget.left("alice", 1000.0) == 14400.0 - 600.0
-    assert after._times_preempted == {7: 2}
+    assert after._times_preempted == {7: 2} and after._no_checkpoint == {9}
     odd = Scheduler(SchedulerConfig(), incremental=True)
     odd.load_preemptions({"losses": {"bob": [[1, 2], "x", [1, "y"], [True, 3.0]], "eve": "no"},
                           "times": {"x": 1, "8": "two", "9": 1}})
@@ -60,7 +61,7 @@ def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand(
     assert peak == 1.0  # the headroom is still kept for the interactive user of a minute ago
     store = Store(config.db_path)
     try:
-        assert set(json.loads(store.get_meta("preemptions") or "{}")) == {"losses", "times"}
+        assert set(json.loads(store.get_meta("preemptions") or "{}")) == {"losses", "times", "no_checkpoint"}
     finally:
         store.close()
 
