@@ -503,3 +503,9 @@ def test_a_value_the_job_model_refuses_is_named_by_its_flag(node: DaemonHandle) 
     huge = gs(node, "submit", "--gpus", "1", "--after", "9" * 20, "--", "true")
     assert huge.exit_code == 2 and "'--after'" in huge.stderr and "is not a job id" in huge.stderr
     assert "pydantic" not in huge.stderr and "validation error" not in huge.stderr
+
+
+def test_an_empty_program_is_refused_before_it_waits_for_a_gpu(node: DaemonHandle) -> None:
+    for empty in ("", "  "):
+        result = gs(node, "submit", "--gpus", "1", "--", empty)
+        assert result.exit_code == 2 and "the program to run is empty" in result.stderr

@@ -260,6 +260,8 @@ def submit(
     """
     if array is not None and wait:
         raise click.UsageError("--wait waits for one job; with --array, wait with `gpusched queue` or `show ID`")
+    if not command[0].strip():  # it would only fail at exec, after waiting its turn for a GPU
+        raise click.BadParameter("the program to run is empty", param_hint="'-- CMD'")
     request = build_request(gpus, mig, share, gpu_mem)
     try:
         env = parse_export(export, os.environ)
