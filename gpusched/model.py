@@ -239,6 +239,15 @@ class Job(BaseModel):
         return display_name(self.spec)
 
 
+def pending_since(job: Job) -> float:
+    """When the job last became PENDING (submission, release from hold or requeue): its wait starts
+    there. Read off its history, so a restarted daemon and its fresh scheduler see the same wait."""
+    for transition in reversed(job.history):
+        if transition.state is JobState.PENDING:
+            return transition.at
+    return job.submitted_at
+
+
 def display_name(spec: JobSpec) -> str:
     """The name listings show: `--name`, else the program's base name, at most MAX_DISPLAY_NAME characters
     (argv[0] may be 256 KiB long; five such rows must not break `queue` for everyone)."""

@@ -60,6 +60,7 @@ from gpusched.model import (
     Job,
     JobState,
     MigRequest,
+    pending_since,
 )
 
 __all__ = [
@@ -242,7 +243,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         if job.id in self._failed:
             return
         if self._shape is None:  # node not seen yet: the first plan checks every queued job
-            self._pending_since.setdefault(job.id, job.submitted_at)
+            self._pending_since.setdefault(job.id, pending_since(job))  # its history: a restart keeps the wait
             self.queue.submit(job)
             if job.spec.job_class == "interactive":
                 self._interactive_pending[job.id] = request_fraction(job.spec.request)
@@ -252,7 +253,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
             self._failed[job.id] = reason
             self._to_fail.append(FailJob(job.id, f"unsatisfiable: {reason}"))
             return
-        self._pending_since.setdefault(job.id, max(job.submitted_at, self._last_now))
+        self._pending_since.setdefault(job.id, max(pending_since(job), self._last_now))
         self.queue.submit(job)
         if job.spec.job_class == "interactive":
             self._interactive_pending[job.id] = request_fraction(job.spec.request)

@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
-from gpusched.model import Job, JobState
-
 # Queue waits run from a second to days; scheduler passes from well under a millisecond to seconds.
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
                       28800.0, 86400.0, 172800.0, float("inf"))
@@ -56,9 +54,3 @@ class Metrics:
             yield from metric.collect()
 
 
-def pending_since(job: Job) -> float:
-    """When the job last became PENDING (submission, release from hold or requeue): its wait starts there."""
-    for transition in reversed(job.history):
-        if transition.state is JobState.PENDING:
-            return transition.at
-    return job.submitted_at

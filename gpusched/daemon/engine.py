@@ -29,7 +29,7 @@ from gpusched.core.scheduler import (
 from gpusched.daemon.arrays import Arrays
 from gpusched.daemon.cgroups import CgroupManager
 from gpusched.daemon.checkpointing import Checkpoints
-from gpusched.daemon.counters import Metrics, pending_since
+from gpusched.daemon.counters import Metrics
 from gpusched.daemon.devices import DeviceManager
 from gpusched.daemon.engine_devices import DevicesMixin
 from gpusched.daemon.engine_preempt import PreemptionMixin
@@ -49,6 +49,7 @@ from gpusched.model import (
     Event,
     Job,
     JobState,
+    pending_since,
 )
 
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)

@@ -103,3 +103,19 @@ def test_jobs_running_through_a_downtime_are_charged_for_it() -> None:
     forgetful.plan(Snapshot(gpus=(), pending=(), active=(job,)), now=1000.0)
     charged = after_restart.fair.export_standing()["alice"]["service"]
     assert charged - forgetful.fair.export_standing()["alice"]["service"] == 900.0  # the 900 s of downtime
+
+
+def test_a_fresh_scheduler_takes_a_jobs_wait_from_its_history() -> None:
+    """Released from hold at 500 s (or requeued then), a job has waited since 500 s, not since its
+    submission: a restarted daemon's scheduler reads that off the history (the preemption bound
+    and the held head count waits from there)."""
+    from gpusched.model import Job, JobSpec, JobState, Transition, WholeRequest
+
+    history = [Transition(state=JobState.PENDING, at=100.0, reason="submitted"),
+               Transition(state=JobState.HELD, at=100.0, reason="held"),
+               Transition(state=JobState.PENDING, at=500.0, reason="released")]
+    job = Job(id=3, uid=1000, gid=1000, user="alice", state=JobState.PENDING, submitted_at=100.0, history=history,
+              spec=JobSpec(argv=["train"], cwd="/", request=WholeRequest(gpus=1)))
+    scheduler = Scheduler(SchedulerConfig(), incremental=True)
+    scheduler.submit(job)  # before the first pass, as requeue_all does at a start
+    assert scheduler._pending_since[3] == 500.0
