@@ -216,6 +216,16 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         if isinstance(saved, (int, float)) and not isinstance(saved, bool):
             self._charged_until = float(saved)
 
+    def export_held_head(self) -> int | None:
+        """The job holding its place at the head (`hold_head_after_s`), for the store."""
+        return self._head_id
+
+    def load_held_head(self, saved: int | None) -> None:
+        """Restore what export_held_head gave; call before the first plan. A job no longer queued by
+        then is simply not found, and the order is read as usual."""
+        if isinstance(saved, int) and not isinstance(saved, bool):
+            self._head_id = saved
+
     def export_demand(self) -> list[list[float]]:
         """The interactive demand of the last window (what sizes the headroom), for the store."""
         return self._demand.export()
@@ -237,6 +247,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._no_checkpoint.update(old._no_checkpoint)
         self._demand.load(old._demand.export())
         self.load_charged_until(old.export_charged_until())
+        self.load_held_head(old.export_held_head())
 
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""

@@ -19,6 +19,7 @@ _LOADERS = {
     "preemptions": ("load_preemptions", "the preemption budgets and counts start afresh"),
     "interactive_demand": ("load_demand", "the interactive headroom starts from current demand"),
     "charged_until": ("load_charged_until", "the downtime is not charged to the jobs that ran through it"),
+    "held_head": ("load_held_head", "the held head waits its turn again"),
     "runtime_history": ("load_history", "estimates start from the defaults"),
 }
 
@@ -41,6 +42,7 @@ def save_scheduler_state(store: Store, scheduler: Any, *, history: bool) -> None
     with store.batch():
         for key, exporter_name in (("standing", "export_standing"), ("preemptions", "export_preemptions"),
                                    ("interactive_demand", "export_demand"), ("charged_until", "export_charged_until"),
+                                   ("held_head", "export_held_head"),
                                    *((("runtime_history", "export_history"),) if history else ())):
             exporter = getattr(scheduler, exporter_name, None)
             if callable(exporter):

@@ -43,21 +43,23 @@ def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand(
             daemon.engine.scheduler._times_preempted[42] = 1
             daemon.engine.scheduler._demand.observe(now - 60, 1.0)  # an interactive job ran a minute ago
             daemon.engine.scheduler._demand.observe(now - 30, 0.0)
+            daemon.engine.scheduler._head_id = 77  # holding its place at the head (hold_head_after_s)
             return now
         finally:
             await daemon_main.stop(daemon)  # saves at shutdown
 
-    async def second(now: float) -> tuple[float, dict[int, int], float]:
+    async def second(now: float) -> tuple[float, dict[int, int], float, int | None]:
         daemon = await daemon_main.start(config)
         try:
             sched = daemon.engine.scheduler
-            return sched._budget.left("alice", now), dict(sched._times_preempted), sched._demand.peak(now)
+            return (sched._budget.left("alice", now), dict(sched._times_preempted), sched._demand.peak(now),
+                    sched.export_held_head())
         finally:
             await daemon_main.stop(daemon)
 
     when = asyncio.run(first())
-    left, times, peak = asyncio.run(second(when))
-    assert left == 14400.0 - 14000.0 and times == {42: 1}
+    left, times, peak, head = asyncio.run(second(when))
+    assert left == 14400.0 - 14000.0 and times == {42: 1} and head == 77
     assert peak == 1.0  # the headroom is still kept for the interactive user of a minute ago
     store = Store(config.db_path)
     try:
