@@ -59,6 +59,8 @@ def parse_array_spec(text: str, max_tasks: int = HARD_MAX_TASKS) -> ArraySpec:
         max_running = int(limit)
         if max_running < 1:
             raise ArraySpecError("%0: at least one task must be allowed to run at once")
+    if not body:
+        raise ArraySpecError(f"%{limit} limits tasks, but no task indices come before it; write e.g. 1-100%{limit}")
     ranges: list[range] = []
     total = 0
     for part in body.split(","):

@@ -37,6 +37,7 @@ def test_examples(text: str, tasks: tuple[int, ...], limit: int | None) -> None:
     ("-1", "is not an index or a range"),
     ("1,,2", "has an empty part"),
     ("1,%2", "has an empty part"),
+    ("%3", "no task indices come before it"),
     ("a-b", "is not an index or a range"),
     ("1-4%0", "at least one task"),
     ("1-4%x", "whole number"),
