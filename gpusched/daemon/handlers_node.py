@@ -80,6 +80,9 @@ def gpu_resume(ctx: Context, req: GpuResumeRequest) -> DevicesChanged:
 
 async def mig_apply(ctx: Context, req: MigApplyRequest) -> MigApplyResult:
     _require_admin(ctx, "change MIG layouts")
+    if not any(g.index == req.gpu for g in ctx.engine.inventory.gpus):  # as `gpus drain`: not found (exit 4)
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no GPU {req.gpu}",
+                            f"this node has GPUs {', '.join(str(g.index) for g in ctx.engine.inventory.gpus)}")
     try:
         change, done = await ctx.engine.apply_mig_layout(req.gpu, req.layout, req.dry_run)
     except DeviceError as exc:

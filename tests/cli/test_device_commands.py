@@ -36,6 +36,8 @@ def test_mig_apply_dry_run_then_apply(daemon_factory: Callable[..., DaemonHandle
     assert profiles == ["2g.20gb", "3g.40gb"]
     bad = gs(node, "mig", "apply", "1", "3g.40gb")
     assert bad.exit_code == 1 and "not in MIG mode" in bad.stderr
+    unknown = gs(node, "mig", "apply", "7", "3g.40gb")  # not found, as in `gpus drain`
+    assert unknown.exit_code == 4 and "no GPU 7" in unknown.stderr
     for slip in ("", " , ", "3g.40gb,,2g.20gb"):  # never read as `none`: that destroys every idle instance
         refused = gs(node, "mig", "apply", "0", slip)
         assert refused.exit_code == 2 and "LAYOUT" in refused.stderr and "no empty entries" in refused.stderr
