@@ -226,6 +226,16 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         if isinstance(saved, int) and not isinstance(saved, bool):
             self._head_id = saved
 
+    def export_mig_damping(self) -> dict[str, float]:
+        """When each GPU's MIG layout or mode last changed (`min_reconfig_interval_s` counts from it)."""
+        return {str(g): at for g, at in self._last_reconfig.items()}
+
+    def load_mig_damping(self, saved: Mapping[str, float]) -> None:
+        """Restore what export_mig_damping gave; call before the first plan. A restart does not let a
+        GPU be repartitioned sooner than the interval allows."""
+        self._last_reconfig.update({int(g): float(at) for g, at in saved.items()
+                                    if g.isdigit() and isinstance(at, (int, float)) and not isinstance(at, bool)})
+
     def export_demand(self) -> list[list[float]]:
         """The interactive demand of the last window (what sizes the headroom), for the store."""
         return self._demand.export()
@@ -248,6 +258,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin):
         self._demand.load(old._demand.export())
         self.load_charged_until(old.export_charged_until())
         self.load_held_head(old.export_held_head())
+        self._last_reconfig.update(old._last_reconfig)
 
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""

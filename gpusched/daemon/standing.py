@@ -1,7 +1,7 @@
 """What the scheduler has learned and counted, kept in the store's meta table across restarts and
 crashes: each user's place (fair-share standing), the preemption budgets spent and each job's
-preemption count, the interactive demand that sizes the headroom, and the run times the estimates
-come from."""
+preemption count, the interactive demand that sizes the headroom, the held head, when each GPU's
+MIG layout last changed, and the run times the estimates come from."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ _LOADERS = {
     "interactive_demand": ("load_demand", "the interactive headroom starts from current demand"),
     "charged_until": ("load_charged_until", "the downtime is not charged to the jobs that ran through it"),
     "held_head": ("load_held_head", "the held head waits its turn again"),
+    "mig_damping": ("load_mig_damping", "a GPU may be repartitioned before min_reconfig_interval_s"),
     "runtime_history": ("load_history", "estimates start from the defaults"),
 }
 
@@ -42,7 +43,7 @@ def save_scheduler_state(store: Store, scheduler: Any, *, history: bool) -> None
     with store.batch():
         for key, exporter_name in (("standing", "export_standing"), ("preemptions", "export_preemptions"),
                                    ("interactive_demand", "export_demand"), ("charged_until", "export_charged_until"),
-                                   ("held_head", "export_held_head"),
+                                   ("held_head", "export_held_head"), ("mig_damping", "export_mig_damping"),
                                    *((("runtime_history", "export_history"),) if history else ())):
             exporter = getattr(scheduler, exporter_name, None)
             if callable(exporter):

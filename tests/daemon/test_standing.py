@@ -44,6 +44,7 @@ def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand(
             daemon.engine.scheduler._demand.observe(now - 60, 1.0)  # an interactive job ran a minute ago
             daemon.engine.scheduler._demand.observe(now - 30, 0.0)
             daemon.engine.scheduler._head_id = 77  # holding its place at the head (hold_head_after_s)
+            daemon.engine.scheduler._last_reconfig[0] = now - 10  # GPU 0 was repartitioned 10 s ago
             return now
         finally:
             await daemon_main.stop(daemon)  # saves at shutdown
@@ -52,6 +53,7 @@ def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand(
         daemon = await daemon_main.start(config)
         try:
             sched = daemon.engine.scheduler
+            assert sched._last_reconfig == {0: now - 10}  # not repartitioned again before the interval
             return (sched._budget.left("alice", now), dict(sched._times_preempted), sched._demand.peak(now),
                     sched.export_held_head())
         finally:
