@@ -1,0 +1,110 @@
+"""What a scheduler hands over to the store, and to the next scheduler: each user's standing, the
+run-time history, preemption budgets and counts, the interactive demand, up to when running jobs
+were charged, the held head and MIG damping. A restart (daemon/standing.py) and a reload
+(`carry_over`) keep them, so nobody loses their place and no bound starts over."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpusched.core.sched_core import SchedulerCore
+
+
+class PersistMixin(SchedulerCore):
+    """export_* give plain data for the store; load_* restore it before the first plan."""
+
+    def export_standing(self) -> dict[str, dict[str, float]]:
+        """Per-user lag / v / service as plain data, for the store.
+
+        Running jobs' unused commitments are settled in what is exported (fairshare.py).
+        """
+        return self.fair.export_standing()
+
+    def export_history(self) -> dict[str, list[float]]:
+        """Recent run times by key (core/estimate.py), for the store."""
+        return self.estimator.export_history()
+
+    def load_history(self, saved: Mapping[str, Sequence[float]]) -> None:
+        """Restore what export_history gave; call before the first plan."""
+        self.estimator.load_history(saved)
+
+    def load_standing(self, standing: Mapping[str, Mapping[str, float]]) -> None:
+        """Restore what export_standing gave; call before the first plan."""
+        self.fair.load_standing(standing)
+
+    def export_preemptions(self) -> dict[str, Any]:
+        """What preemption has cost so far, for the store: each user's requeue losses of the last day
+        (the budget), each job's preemption count (the per-job cap) and the jobs whose checkpoint
+        failed (not offered for one again). A restart keeps them."""
+        return {"losses": self._budget.export(), "times": {str(j): n for j, n in self._times_preempted.items()},
+                "no_checkpoint": sorted(self._no_checkpoint)}
+
+    def load_preemptions(self, saved: Mapping[str, Any]) -> None:
+        """Restore what export_preemptions gave; call before the first plan. Malformed parts are skipped."""
+        losses = saved.get("losses")
+        if isinstance(losses, dict):
+            self._budget.load(losses)
+        times = saved.get("times")
+        if isinstance(times, dict):
+            self._times_preempted.update({int(j): n for j, n in times.items()
+                                          if isinstance(j, str) and j.isdigit() and isinstance(n, int)})
+        refused = saved.get("no_checkpoint")
+        if isinstance(refused, list):  # jobs whose checkpoint failed are not offered for one again
+            self._no_checkpoint.update(j for j in refused if isinstance(j, int) and not isinstance(j, bool))
+
+    def export_charged_until(self) -> float | None:
+        """Up to when the exported standing has charged running jobs (the last pass's time), for the store."""
+        return self._last_now if self._started_at_first_plan is not None else None
+
+    def load_charged_until(self, saved: float | None) -> None:
+        """Restore what export_charged_until gave; call before the first plan. Jobs that ran on while
+        no daemon was there are charged from then, not from this scheduler's first pass: the GPU
+        time of the downtime is charged to their users like any other."""
+        if isinstance(saved, (int, float)) and not isinstance(saved, bool):
+            self._charged_until = float(saved)
+
+    def export_held_head(self) -> int | None:
+        """The job holding its place at the head (`hold_head_after_s`), for the store."""
+        return self._head_id
+
+    def load_held_head(self, saved: int | None) -> None:
+        """Restore what export_held_head gave; call before the first plan. A job no longer queued by
+        then is simply not found, and the order is read as usual."""
+        if isinstance(saved, int) and not isinstance(saved, bool):
+            self._head_id = saved
+
+    def export_mig_damping(self) -> dict[str, float]:
+        """When each GPU's MIG layout or mode last changed (`min_reconfig_interval_s` counts from it)."""
+        return {str(g): at for g, at in self._last_reconfig.items()}
+
+    def load_mig_damping(self, saved: Mapping[str, float]) -> None:
+        """Restore what export_mig_damping gave; call before the first plan. A restart does not let a
+        GPU be repartitioned sooner than the interval allows."""
+        self._last_reconfig.update({int(g): float(at) for g, at in saved.items()
+                                    if g.isdigit() and isinstance(at, (int, float)) and not isinstance(at, bool)})
+
+    def export_demand(self) -> list[list[float]]:
+        """The interactive demand of the last window (what sizes the headroom), for the store."""
+        return self._demand.export()
+
+    def load_demand(self, saved: Sequence[Sequence[float]]) -> None:
+        """Restore what export_demand gave; call before the first plan. After a restart the headroom
+        stays for interactive users active within the window, as it would have without one."""
+        self._demand.load(saved)
+
+    def carry_over(self, old: PersistMixin) -> None:
+        """A reload's new scheduler (new weights, quanta or limits) keeps what the old one learned and
+        counted: each user's place, the run-time history, each user's requeue losses of the last
+        day, each job's preemption count and the interactive demand of the last window. Call before
+        the first plan."""
+        self.fair.load_standing(old.export_standing())
+        self.estimator.load_history(old.estimator.export_history())
+        self._budget.carry_over(old._budget)
+        self._times_preempted.update(old._times_preempted)
+        self._no_checkpoint.update(old._no_checkpoint)
+        self._demand.load(old._demand.export())
+        self.load_charged_until(old.export_charged_until())
+        self.load_held_head(old.export_held_head())
+        self._last_reconfig.update(old._last_reconfig)
+
