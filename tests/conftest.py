@@ -25,6 +25,7 @@ import pytest
 from gpusched.config import DaemonConfig
 from gpusched.daemon import main as daemon_main
 from gpusched.daemon.executor import kill_recorded_jobs
+from gpusched.model import JobState
 from gpusched_cli.client import Client
 
 T = TypeVar("T")
@@ -50,6 +51,28 @@ def short_tmpdir() -> str:
     path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
     os.chmod(path, 0o755)
     return path
+
+
+def inprocess_config(base: str, **overrides: Any) -> DaemonConfig:
+    """A daemon's config under `base` (one simulated H100, no cgroups) for tests that start and stop
+    `daemon_main.start` themselves, e.g. twice on the same state to look at a restart."""
+    defaults: dict[str, Any] = {"sim": "H100-80GB:1", "cgroup_root": "off"}
+    return DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
+                        **{**defaults, **overrides})
+
+
+async def wait_running(engine: Any, job_id: int, timeout: float = 10.0, *,
+                       until: Callable[[Any], bool] = lambda job: True) -> Any:
+    """The job once the engine has it RUNNING with a pid (and `until` holds); fail after `timeout` s.
+    For tests inside the daemon's own event loop, where wait_until would block it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = engine.get(job_id)
+        if job is not None and job.state is JobState.RUNNING and job.pid and until(job):
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} not running after {timeout}s: {job.state if job else None}")
+        await asyncio.sleep(0.025)
 
 
 @dataclass

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
-from gpusched.config import DaemonConfig
 from gpusched.core.scheduler import Scheduler, SchedulerConfig
 from gpusched.daemon import main as daemon_main
 from gpusched.daemon.store import Store
-from tests.conftest import short_tmpdir
+from tests.conftest import inprocess_config, short_tmpdir
 
 
 def test_preemption_records_round_trip_and_malformed_parts_are_skipped() -> None:
@@ -32,8 +30,7 @@ def test_preemption_records_round_trip_and_malformed_parts_are_skipped() -> None
 
 def test_a_restart_keeps_the_budget_spent_the_counts_and_the_interactive_demand() -> None:
     base = short_tmpdir()
-    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
-                          sim="H100-80GB:1", cgroup_root="off")
+    config = inprocess_config(base)
 
     async def first() -> float:
         daemon = await daemon_main.start(config)

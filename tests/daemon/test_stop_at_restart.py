@@ -10,17 +10,15 @@ import time
 
 import pytest
 
-from gpusched.config import DaemonConfig
 from gpusched.daemon import main as daemon_main
 from gpusched.daemon.store import Store
 from gpusched.model import JobSpec, JobState, WholeRequest
-from tests.conftest import kill_job_processes, short_tmpdir
+from tests.conftest import inprocess_config, kill_job_processes, short_tmpdir
 
 
 def test_a_cancel_saved_while_starting_ends_the_job_when_its_launch_never_ran() -> None:
     base = short_tmpdir()
-    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
-                          sim="H100-80GB:1", cgroup_root="off", allow_root_jobs=True)
+    config = inprocess_config(base, allow_root_jobs=True)
     marker = os.path.join(base, "ran")
 
     async def create() -> None:
@@ -61,8 +59,7 @@ def test_a_job_adopted_from_starting_at_a_restart_has_run_since_its_launch(monke
     from gpusched.daemon.launch import Launcher
 
     base = short_tmpdir()
-    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
-                          sim="H100-80GB:1", cgroup_root="off", allow_root_jobs=True)
+    config = inprocess_config(base, allow_root_jobs=True)
     spec = JobSpec(argv=["sleep", "60"], cwd="/tmp", env={"PATH": os.environ["PATH"]},
                    request=WholeRequest(gpus=1), time_limit_s=3600.0)
     real_start = Launcher.start

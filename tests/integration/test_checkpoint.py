@@ -410,25 +410,17 @@ def test_a_checkpoint_cut_off_by_a_crash_is_repaired_at_the_next_start() -> None
     The next start gives the process its GPU state back, and the job runs on."""
     import asyncio
 
-    from gpusched.config import DaemonConfig
     from gpusched.daemon import main as daemon_main
-    from tests.conftest import kill_job_processes, short_tmpdir
+    from tests.conftest import inprocess_config, kill_job_processes, short_tmpdir, wait_running
 
-    base = short_tmpdir()
-    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"),
-                          sim="H100-80GB:1", cgroup_root="off", allow_root_jobs=True, kill_grace_s=2.0)
+    config = inprocess_config(short_tmpdir(), allow_root_jobs=True, kill_grace_s=2.0)
     spec = JobSpec(argv=["sh", "-c", COUNTER], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=WholeRequest(gpus=1))
 
     async def crash_midway() -> tuple[int, int]:
         daemon = await daemon_main.start(config)
         try:
             made = await daemon.engine.submit(uid=0, gid=0, user="root", spec=spec)
-            for _ in range(400):
-                job = daemon.engine.get(made.job_id)
-                if job is not None and job.state is JobState.RUNNING and job.pid:
-                    break
-                await asyncio.sleep(0.025)
-            assert job is not None and job.pid, "the job did not start"
+            job = await wait_running(daemon.engine, made.job_id)
             tool = daemon.engine.checkpoints.tool
             assert tool is not None
             daemon.engine.checkpoints.begin(job.id, [job.pid])  # as the crashed daemon had noted...

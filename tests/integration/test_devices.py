@@ -198,32 +198,25 @@ def test_a_restart_with_another_fixed_layout_keeps_the_instance_a_running_job_ho
     """The GPU keeps its instances across a daemon restart (the same simulated driver here, as real
     hardware would); a new `mig = [...]` applied at start must see the re-adopted job as busy."""
     import asyncio
-    import os
 
-    from gpusched.config import DaemonConfig
     from gpusched.daemon import main as daemon_main
     from gpusched.gpu.nvml import NvmlBackend
     from gpusched.gpu.simnvml import SimNVML
-    from tests.conftest import short_tmpdir
+    from tests.conftest import inprocess_config, short_tmpdir, wait_running
 
     base = short_tmpdir()
-    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
-              "sim": "H100-80GB:1", "cgroup_root": "off", "allow_root_jobs": True, "kill_grace_s": 2.0}
+    common: dict[str, Any] = {"allow_root_jobs": True, "kill_grace_s": 2.0}
     driver = SimNVML.from_spec("H100-80GB:1")
 
     async def scenario() -> tuple[list[str], list[str], JobState | None]:
-        first = await daemon_main.start(DaemonConfig(**common, gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])}),
-                                        backend=NvmlBackend(driver), backend_name="sim")
+        two_halves = inprocess_config(base, **common, gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])})
+        first = await daemon_main.start(two_halves, backend=NvmlBackend(driver), backend_name="sim")
         made = await first.engine.submit(uid=0, gid=0, user="root", spec=mig_spec("3g.40gb", "sleep", "60"))
-        for _ in range(300):
-            job = first.engine.get(made.job_id)
-            if job is not None and job.state is JobState.RUNNING:
-                break
-            await asyncio.sleep(0.05)
-        assert job is not None and job.allocation is not None, "the MIG job did not start"
+        job = await wait_running(first.engine, made.job_id)
+        assert job.allocation is not None, "the MIG job did not start"
         held = job.allocation.uuids
         await daemon_main.stop(first)
-        second = await daemon_main.start(DaemonConfig(**common, gpus={"0": GpuConfig(mig=["7g.80gb"])}),
+        second = await daemon_main.start(inprocess_config(base, **common, gpus={"0": GpuConfig(mig=["7g.80gb"])}),
                                          backend=NvmlBackend(driver), backend_name="sim")
         try:
             instances = [i.uuid for g in second.engine.inventory.gpus for i in g.instances]
@@ -238,6 +231,6 @@ def test_a_restart_with_another_fixed_layout_keeps_the_instance_a_running_job_ho
     try:
         held, instances, state = asyncio.run(scenario())
     finally:
-        kill_job_processes(common["state_dir"])
+        kill_job_processes(inprocess_config(base).state_dir)
     assert state is JobState.RUNNING
     assert set(held) <= set(instances)  # its instance was kept: the new layout changed only idle ones

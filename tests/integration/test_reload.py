@@ -102,18 +102,14 @@ def test_a_reload_keeps_run_time_history_requeue_losses_and_preemption_counts(tm
     counted goes over to it (and the history is what gets saved at shutdown, not an empty one)."""
     import asyncio
     import json
-    import os
 
-    from gpusched.config import DaemonConfig
     from gpusched.daemon import main as daemon_main
     from gpusched.daemon.store import Store
-    from tests.conftest import short_tmpdir
+    from tests.conftest import inprocess_config, short_tmpdir
 
     base = short_tmpdir()
-    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
-              "sim": "H100-80GB:1", "cgroup_root": "off"}
-    config = DaemonConfig(**common)
-    changed = DaemonConfig(**common, scheduler={"preempt_min_gain_s": 60.0})
+    config = inprocess_config(base)
+    changed = inprocess_config(base, scheduler={"preempt_min_gain_s": 60.0})
 
     async def scenario() -> None:
         daemon = await daemon_main.start(config, loader=lambda: changed)
@@ -144,17 +140,13 @@ def test_a_reload_reports_the_checkpoint_settings_as_needing_a_restart(tmp_path:
     """Checkpointed jobs need the tool that checkpointed them: the reload must not claim to have
     switched it (it did not), but list the keys under restart_needed and keep them as they were."""
     import asyncio
-    import os
 
-    from gpusched.config import DaemonConfig
     from gpusched.daemon import main as daemon_main
-    from tests.conftest import short_tmpdir
+    from tests.conftest import inprocess_config, short_tmpdir
 
     base = short_tmpdir()
-    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
-              "sim": "H100-80GB:1", "cgroup_root": "off"}
-    config = DaemonConfig(**common)
-    off = DaemonConfig(**common, checkpoint=False, checkpoint_timeout_s=5.0)
+    config = inprocess_config(base)
+    off = inprocess_config(base, checkpoint=False, checkpoint_timeout_s=5.0)
 
     async def scenario() -> tuple[list[str], list[str], bool, bool]:
         daemon = await daemon_main.start(config, loader=lambda: off)
@@ -172,27 +164,21 @@ def test_a_reload_reports_the_checkpoint_settings_as_needing_a_restart(tmp_path:
 
 def test_a_reload_that_sets_job_mapping_dir_maps_the_jobs_running_now(tmp_path: Any) -> None:
     import asyncio
-    import os
 
-    from gpusched.config import DaemonConfig
     from gpusched.daemon import main as daemon_main
-    from tests.conftest import kill_job_processes, short_tmpdir
+    from tests.conftest import inprocess_config, kill_job_processes, short_tmpdir, wait_running
 
     base = short_tmpdir()
-    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
-              "sim": "H100-80GB:1", "cgroup_root": "off", "allow_root_jobs": True, "kill_grace_s": 2.0}
+    common: dict[str, Any] = {"allow_root_jobs": True, "kill_grace_s": 2.0}
+    config = inprocess_config(base, **common)
     mapping = tmp_path / "dcgm-job-map"
-    with_mapping = DaemonConfig(**common, job_mapping_dir=str(mapping))
+    with_mapping = inprocess_config(base, **common, job_mapping_dir=str(mapping))
 
     async def scenario() -> tuple[int, list[str], str]:
-        daemon = await daemon_main.start(DaemonConfig(**common), loader=lambda: with_mapping)
+        daemon = await daemon_main.start(config, loader=lambda: with_mapping)
         try:
             made = await daemon.engine.submit(uid=0, gid=0, user="root", spec=spec("sleep", "30"))
-            for _ in range(300):
-                job = daemon.engine.get(made.job_id)
-                if job is not None and job.state is JobState.RUNNING:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_running(daemon.engine, made.job_id)
             result = await daemon.reload()
             text = (mapping / "0").read_text() if (mapping / "0").exists() else ""
             running = daemon.engine.get(made.job_id)
@@ -205,7 +191,7 @@ def test_a_reload_that_sets_job_mapping_dir_maps_the_jobs_running_now(tmp_path: 
     try:
         job_id, changed, text = asyncio.run(scenario())
     finally:
-        kill_job_processes(common["state_dir"])
+        kill_job_processes(config.state_dir)
     assert changed == ["job_mapping_dir"] and text == f"{job_id}\n"
 
 
@@ -213,17 +199,14 @@ def test_a_reload_cannot_mix_a_new_file_with_a_restart_key_into_a_forbidden_conf
     """`mode` waits for a restart, `gpus` does not: a file that says mode = "standalone" and dynamic
     MIG must not give a slurm-node daemon dynamic MIG (which slurm-node forbids) until it restarts."""
     import asyncio
-    import os
 
-    from gpusched.config import ConfigError, DaemonConfig, GpuConfig
+    from gpusched.config import ConfigError, GpuConfig
     from gpusched.daemon import main as daemon_main
-    from tests.conftest import short_tmpdir
+    from tests.conftest import inprocess_config, short_tmpdir
 
     base = short_tmpdir()
-    common = {"socket": os.path.join(base, "g.sock"), "state_dir": os.path.join(base, "state"),
-              "sim": "H100-80GB:1", "cgroup_root": "off"}
-    slurm_node = DaemonConfig(**common, mode="slurm-node", gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])})
-    standalone = DaemonConfig(**common, gpus={"0": GpuConfig(mig="dynamic")})
+    slurm_node = inprocess_config(base, mode="slurm-node", gpus={"0": GpuConfig(mig=["3g.40gb", "3g.40gb"])})
+    standalone = inprocess_config(base, gpus={"0": GpuConfig(mig="dynamic")})
 
     async def scenario() -> tuple[str, object]:
         daemon = await daemon_main.start(slurm_node, loader=lambda: standalone)
