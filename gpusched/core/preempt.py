@@ -100,10 +100,6 @@ class LossBudget:
     def spend(self, user: str, now: float, gpu_s: float) -> None:
         self._window(user, now).append((now, gpu_s))
 
-    def carry_over(self, old: LossBudget) -> None:
-        """What `old` counted as lost in the last day (a reload's new budget keeps its own size)."""
-        self._lost = {user: deque(entries) for user, entries in old._lost.items()}
-
     def export(self) -> dict[str, list[list[float]]]:
         """Plain data for the store: per user, [when, GPU-s] of each loss still counted."""
         return {user: [[at, gpu_s] for at, gpu_s in entries] for user, entries in self._lost.items() if entries}

@@ -10,6 +10,21 @@ from typing import Any
 
 from gpusched.core.sched_core import SchedulerCore
 
+# What a scheduler hands over, as (meta key, exporter, loader, what a damaged record costs): to the
+# store across a restart (daemon/standing.py) and to the next scheduler at a reload (carry_over).
+# The run times come last: they can be megabytes, and the daemon saves them less often.
+HANDED_OVER: tuple[tuple[str, str, str, str], ...] = (
+    ("standing", "export_standing", "load_standing", "every user starts at lag 0"),
+    ("preemptions", "export_preemptions", "load_preemptions", "the preemption budgets and counts start afresh"),
+    ("interactive_demand", "export_demand", "load_demand", "the interactive headroom starts from current demand"),
+    ("charged_until", "export_charged_until", "load_charged_until",
+     "the downtime is not charged to the jobs that ran through it"),
+    ("held_head", "export_held_head", "load_held_head", "the held head waits its turn again"),
+    ("mig_damping", "export_mig_damping", "load_mig_damping",
+     "a GPU may be repartitioned before min_reconfig_interval_s"),
+    ("runtime_history", "export_history", "load_history", "estimates start from the defaults"),
+)
+
 
 class PersistMixin(SchedulerCore):
     """export_* give plain data for the store; load_* restore it before the first plan."""
@@ -95,16 +110,7 @@ class PersistMixin(SchedulerCore):
 
     def carry_over(self, old: PersistMixin) -> None:
         """A reload's new scheduler (new weights, quanta or limits) keeps what the old one learned and
-        counted: each user's place, the run-time history, each user's requeue losses of the last
-        day, each job's preemption count and the interactive demand of the last window. Call before
+        counted: every record a restart keeps (HANDED_OVER), handed over the same way. Call before
         the first plan."""
-        self.fair.load_standing(old.export_standing())
-        self.estimator.load_history(old.estimator.export_history())
-        self._budget.carry_over(old._budget)
-        self._times_preempted.update(old._times_preempted)
-        self._no_checkpoint.update(old._no_checkpoint)
-        self._demand.load(old._demand.export())
-        self.load_charged_until(old.export_charged_until())
-        self.load_held_head(old.export_held_head())
-        self._last_reconfig.update(old._last_reconfig)
-
+        for _, exporter, loader, _ in HANDED_OVER:
+            getattr(self, loader)(getattr(old, exporter)())
