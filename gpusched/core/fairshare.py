@@ -133,6 +133,14 @@ class FairShare:
     def _V_for_new(self) -> float:
         return self.V() if self._sum_w > 0 else self._v_idle
 
+    def weight_alone(self, user: str, uid: int | None = None) -> float:
+        """The weight a user would have as the only active one of their group: the group's weight
+        for a member, else their own configured weight."""
+        group = self._group_of(user, uid)
+        if group is not None:
+            return float(self.config.group_weights.get(group, self.config.default_weight))
+        return float(self.base_weight(user, uid))
+
     def knows(self, user: str) -> bool:
         """Has this user had work since the scheduler started (so `weight` is theirs, not the default)?"""
         return user in self._users

@@ -249,20 +249,14 @@ class RequestsMixin(EngineCore):
         """A user's fair-share weight as `top` and `stats` show it: the scheduler's own (a group
         member's share of the group's weight) for a user it knows, else the configured one (by name,
         else by uid, else the default; a group member's is the group's, as if alone in it)."""
-        fair = getattr(self.scheduler, "fair", None)
-        if fair is not None and fair.knows(user):
+        fair = self.scheduler.fair
+        if fair.knows(user):
             return float(fair.weight(user))
-        fairness = self.config.fairness
         try:
-            uid = str(pwd.getpwnam(user).pw_uid)
+            uid: int | None = pwd.getpwnam(user).pw_uid
         except KeyError:
-            uid = user if user.isdigit() else ""
-        group = fairness.groups.get(user, fairness.groups.get(uid))
-        if group is not None:
-            return float(fairness.group_weights.get(group, fairness.default_weight))
-        if user in fairness.weights:
-            return float(fairness.weights[user])
-        return float(fairness.weights.get(uid, fairness.default_weight))
+            uid = int(user) if user.isdigit() else None
+        return fair.weight_alone(user, uid)
 
     def user_name(self, uid: int) -> str:
         try:
