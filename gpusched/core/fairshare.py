@@ -141,10 +141,6 @@ class FairShare:
             return float(self.config.group_weights.get(group, self.config.default_weight))
         return float(self.base_weight(user, uid))
 
-    def knows(self, user: str) -> bool:
-        """Has this user had work since the scheduler started (so `weight` is theirs, not the default)?"""
-        return user in self._users
-
     def weight(self, user: str) -> float:
         """Effective weight now (group share applied)."""
         u = self._users.get(user)

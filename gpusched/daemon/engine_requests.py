@@ -247,10 +247,10 @@ class RequestsMixin(EngineCore):
 
     def weight_of(self, user: str) -> float:
         """A user's fair-share weight as `top` and `stats` show it: the scheduler's own (a group
-        member's share of the group's weight) for a user it knows, else the configured one (by name,
-        else by uid, else the default; a group member's is the group's, as if alone in it)."""
+        member's share of the group's weight) for a user with work, else what they would have alone
+        (their configured weight, or their group's)."""
         fair = self.scheduler.fair
-        if fair.knows(user):
+        if fair.is_active(user):  # (an inactive member's own weight is its base one: not what it gets)
             return float(fair.weight(user))
         try:
             uid: int | None = pwd.getpwnam(user).pw_uid
