@@ -126,6 +126,8 @@ def test_version_and_help_document_exit_codes() -> None:
         (["--share", "half", "--gpu-mem", "1G"], "'--share': 'half' is not a fraction"),
         (["--gpus", "0"], "'--gpus'"),
         (["--gpus", "1", "--time", "soon"], "'--time': 'soon' is not a time limit"),
+        (["--gpus", "1", "--time", "366d"], "'--time': '366d' is longer than 365 days; leave --time out"),
+        (["--gpus", "1", "--time", "99999999999999999999d"], "'--time': '99999999999999999999d' is longer than 365"),
         (["--mig", "3g"], "'--mig': '3g' is not a MIG profile"),
         (["--gpus", "1", "--nice", "20"], "'--nice'"),
         (["--gpus", "1", "--class", "urgent"], "'--class'"),

@@ -57,6 +57,11 @@ def test_bad_sizes_say_what_is_accepted(text: str) -> None:
         ("1h30m", 5400),
         ("1d2h3m4s", 93784),
         ("5M", 300),
+        # Slurm does not range-check the fields (src/common/parse_time.c): scripts written for
+        # sbatch that say 0:90:00 mean 90 minutes, and get them here too
+        ("10:99", 10 * 60 + 99),
+        ("0:90:00", 90 * 60),
+        ("1-30", 86400 + 30 * 3600),
     ],
 )
 def test_durations(text: str, seconds: int) -> None:

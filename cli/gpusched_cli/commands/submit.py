@@ -36,11 +36,20 @@ def _size_flag(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(exc), ctx, param) from None
 
 
+# A limit past a year is a typo (or `99999d` meant as "none", which is leaving --time out). The
+# daemon takes any finite limit; this keeps `show` and `queue` from printing nonsense.
+MAX_TIME_LIMIT_S = 365 * 86400
+
+
 def _time_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     try:
-        return None if value is None else parse_duration_s(value)
+        seconds = None if value is None else parse_duration_s(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
+    if seconds is not None and seconds > MAX_TIME_LIMIT_S:
+        raise click.BadParameter(f"{value!r} is longer than 365 days; leave --time out for no time limit",
+                                 ctx, param)
+    return seconds
 
 
 JOB_ID_MAX = 2**63 - 1  # gpusched.model.JobId: SQLite's INTEGER primary key
@@ -205,7 +214,8 @@ def check_with_model(spec: dict[str, Any]) -> None:
               help="GPU memory cap with --share: 10G, 512M, 1.5GiB, 1024 (MiB)")
 @click.option("--name", help="job name (default: the program's name)")
 @click.option("--time", "time_limit", metavar="TIME", callback=_time_flag,
-              help="time limit: minutes, M:S, H:M:S, D-H:M:S, or 30s / 5m / 2h / 1d")
+              help="time limit: minutes, M:S, H:M:S, D-H:M:S, or 30s / 5m / 2h / 1d; at most 365 days "
+                   "(omit it for none)")
 @click.option("--class", "job_class", type=click.Choice(["batch", "interactive"]), default="batch",
               show_default=True, help="interactive jobs start sooner, without a bigger share")
 @click.option("--nice", type=click.IntRange(0, 19), default=0, show_default=True,
