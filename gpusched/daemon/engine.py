@@ -127,7 +127,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         # (gcpause.py; the daemon's main then freezes what was loaded).
         with gc_paused():
             self._load_unfinished()
-            self._stops.update(_load_stops(self.store.get_meta("stop_requests")))
+            # (a stop whose job's end was committed just before a crash is over)
+            self._stops.update({i: stop for i, stop in _load_stops(self.store.get_meta("stop_requests")).items()
+                                if i in self.jobs})
             self._yielded = {i for i in _load_ids(self.store.get_meta("yielded"))
                              if (j := self.jobs.get(i)) is not None and j.state is JobState.SUSPENDED}
             await self._recover()
@@ -275,9 +277,20 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self._release_met_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
         if actions or self.passes % 30 == 0:
-            self._persist_standing()
+            try:
+                self._persist_standing()
+            except Exception:  # (a full disk): the standing is saved again after the next pass
+                log.exception("saving the fair-share standing failed")
+        # The scheduler has taken these jobs off its queue: each action is carried out on its own, and
+        # a start that could not even be recorded gives its job back, or it would wait for ever.
         for action in actions:
-            await self._apply(action)
+            try:
+                await self._apply(action)
+            except Exception:
+                log.exception("carrying out %s failed", type(action).__name__)
+                job = self.jobs.get(action.job_id) if isinstance(action, StartJob) else None
+                if job is not None and job.state is JobState.PENDING:
+                    self._enqueue(job)
         self.metrics.observe_pass(time.perf_counter() - began)
 
     async def _apply(self, action: Action) -> None:
@@ -349,9 +362,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                                                 on_pid=lambda pid: self._on_pid(job.id, pid))
         except LaunchFailed as exc:
             current = self.jobs.get(job.id)
-            self._cleanup(job.id)
             if current is not None and current.state is JobState.STARTING:
                 self._end(current, JobState.FAILED, str(exc), ended_at=self.clock())
+            self._cleanup(job.id, current)
             return
         current = self.jobs.get(job.id)
         if started.timed_out and current is not None:

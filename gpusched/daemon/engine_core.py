@@ -223,9 +223,14 @@ class EngineCore:
             reason = f"{reason} (ended {steps[-1]}: no way from {job.state} to {final})"
         return self._set(job, steps[-1], reason, **fields)
 
-    def _cleanup(self, job_id: int) -> None:
-        """Forget a job's stop request and timers, and give back its MPS share and cgroup."""
-        job = self.jobs.get(job_id)
+    def _cleanup(self, job_id: int, ended: Job | None = None) -> None:
+        """Forget a job's stop request and timers, and give back its MPS share and cgroup.
+
+        Call it after the job's end is committed (`ended`: the job as it was before), never before:
+        the stop request says why it ended (cancelled, its time limit), and a crash between erasing
+        it and recording the end would leave a job that the next start finds dead with no reason,
+        and ends FAILED."""
+        job = ended if ended is not None else self.jobs.get(job_id)
         if job is not None:
             for uuid in self.launcher.idle_mps(job, self.active_jobs()):
                 self._spawn(self.launcher.stop_mps(uuid, job.uid))  # a later share restarts it

@@ -89,14 +89,14 @@ class RecoveryMixin(EngineCore):
                     return  # a shim took the launch after all: the next tick sees it run
                 stop = self._stops.get(job.id)
                 if stop is not None:  # cancelled (or its launch failed) while starting: it never ran, and ends so
-                    self._cleanup(job.id)
                     self._end(job, stop.final, f"{stop.reason} (before its launch ran)", ended_at=self.clock())
+                    self._cleanup(job.id, job)
                     return
                 self._set(job, JobState.PENDING, rule.reason, allocation=None, pid=None, started_at=None,
                           ended_at=None, exit_code=None, signal=None)
             elif rule.verdict is Verdict.LOST:
-                self._cleanup(job.id)
                 self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
+                self._cleanup(job.id, job)
         except Exception as exc:
             log.exception("job %d: recovery failed", job.id)
             self._abandon(job.id, f"recovery failed: {describe(exc)}")
@@ -109,24 +109,26 @@ class RecoveryMixin(EngineCore):
             return
         with contextlib.suppress(Exception):
             self.executor.kill_job(job_id)
-            self._cleanup(job_id)
         try:
             self._end(job, fallback(job.state), reason, ended_at=self.clock())
         except Exception:
             log.exception("job %d: cannot record its end; no longer tracked", job_id)
             self.jobs.pop(job_id, None)
             self._active.pop(job_id, None)
+        with contextlib.suppress(Exception):
+            self._cleanup(job_id, job)
 
     def _finish(self, job_id: int, status: ExitStatus) -> None:
         job = self.jobs.get(job_id)
         if job is None or job.state in TERMINAL_STATES:
             return
         stop = self._stops.get(job_id)
-        self._cleanup(job_id)
         ended = status.ended_at or self.clock()
         fields: dict[str, object] = {"exit_code": status.exit_code, "signal": status.signal, "ended_at": ended}
         final, reason = outcome(status, stop)
+        before = job
         job = self._end(job, final, reason, **fields)
+        self._cleanup(job_id, before)
         if job.state is JobState.PREEMPTED:
             self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, pid=None,
                       started_at=None, ended_at=None, exit_code=None, signal=None)

@@ -96,6 +96,17 @@ class Executor:
         self.shims = ShimStarter(self.jobs_dir, python, launcher)
         self._shims: dict[int, Shim] = {}
 
+    def highest_job_id(self) -> int:
+        """The largest job id with a directory or a log here (0 if none)."""
+        highest = 0
+        for folder, suffix in ((self.jobs_dir, ""), (self.logs_dir, ".log")):
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    stem = entry.name[: len(entry.name) - len(suffix)] if entry.name.endswith(suffix) else ""
+                    if stem.isdigit() and stem.isascii():
+                        highest = max(highest, int(stem))
+        return highest
+
     @property
     def python(self) -> str:
         """The interpreter spawned shims run on (tests point it elsewhere to break spawning)."""

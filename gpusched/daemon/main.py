@@ -28,10 +28,13 @@ from gpusched.daemon.executor import Executor
 from gpusched.daemon.metrics import MetricsServer
 from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
 from gpusched.daemon.startup import StartupError as StartupError
+from gpusched.daemon.startup import lock_state_dir as lock_state_dir
 from gpusched.daemon.startup import open_cgroups as open_cgroups
 from gpusched.daemon.startup import open_gpu_backend as open_gpu_backend
+from gpusched.daemon.startup import open_store as open_store
 from gpusched.daemon.startup import scheduler_config as scheduler_config
-from gpusched.daemon.store import Store, StoreError
+from gpusched.daemon.statelock import StateLock
+from gpusched.daemon.store import Store
 from gpusched.gcpause import LongLivedHeap
 from gpusched.gpu.backend import GpuBackend
 from gpusched.gpu.profiles import MODEL_KEYS
@@ -61,6 +64,7 @@ class Daemon:
     loader: Callable[[], DaemonConfig] | None = None  # re-reads the config file (SIGHUP, `admin reload`)
     pruner: asyncio.Task[None] | None = None  # deletes finished jobs past their retention (prune_periodically)
     slurm_agent: asyncio.Task[None] | None = None  # mode = "slurm-node": drains/resumes the node in Slurm
+    lock: StateLock | None = None  # this daemon's hold on its state directory (statelock.py)
 
     def request_stop(self) -> None:
         self.stopped.set()
@@ -155,20 +159,29 @@ def _remove_job_files(executor: Executor, job_ids: list[int]) -> None:
 async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "",
                 loader: Callable[[], DaemonConfig] | None = None) -> Daemon:
     """Boot every part and start serving; raises StartupError with an actionable message."""
+    lock = lock_state_dir(config)  # before anything touches the state of a daemon that may be alive
     try:
-        claim_socket_path(config.socket)  # before anything touches the state of a daemon that may be alive
+        return await _start_locked(config, lock, backend, backend_name, loader)
+    except BaseException:
+        lock.release()
+        raise
+
+
+async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBackend | None, backend_name: str,
+                        loader: Callable[[], DaemonConfig] | None) -> Daemon:
+    try:
+        claim_socket_path(config.socket)
     except (SocketInUse, OSError) as exc:
         raise StartupError(str(exc)) from None
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
-    # 0711: job owners must reach their own log (STATE/logs/ID.log) but may not list anything.
-    os.makedirs(config.state_dir, mode=0o711, exist_ok=True)
-    os.chmod(config.state_dir, 0o711)
-    try:
-        store = Store(config.db_path)
-    except (StoreError, OSError) as exc:
-        raise StartupError(f"cannot open the state database: {exc}") from None
+    store = open_store(config)
     executor = Executor(config.state_dir, launcher=config.launcher)
+    highest = executor.highest_job_id()
+    if store.ids_start_after(highest):
+        log.warning("the database's job ids were behind the job files in %s (a restored backup, or a lost "
+                    "WAL): new jobs are numbered from %d, so none takes a forgotten job's log", config.state_dir,
+                    highest + 1)
     cgroups, cgroup_note = open_cgroups(config)
     executor.open()  # the fork server, once the daemon sits in its own cgroup leaf (cgroups.py)
     if cgroups is None:
@@ -198,7 +211,7 @@ async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend
             raise StartupError(f"metrics_address {config.metrics_address}: cannot listen: {exc.strerror}") from None
     log.info("gpuschedd %s listening on %s (%s backend, %d GPUs)", __version__, config.socket, backend_name,
              len(engine.inventory.gpus))
-    daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader)
+    daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader, lock=lock)
     server.reload = daemon.reload
     daemon.pruner = asyncio.create_task(prune_periodically(daemon), name="gpusched-prune")
     if config.mode == "slurm-node":
@@ -223,6 +236,8 @@ async def stop(daemon: Daemon) -> None:
     await daemon.engine.stop()
     daemon.store.close()
     daemon.backend.close()
+    if daemon.lock is not None:
+        daemon.lock.release()
     log.info("gpuschedd stopped")
 
 

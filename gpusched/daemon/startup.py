@@ -5,6 +5,7 @@ core's configuration from the TOML. main.py wires them together (and re-exports 
 from __future__ import annotations
 
 import os
+import sqlite3
 
 from gpusched.config import DaemonConfig
 from gpusched.core.estimate import EstimatorConfig
@@ -12,11 +13,39 @@ from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy
 from gpusched.core.scheduler import SchedulerConfig
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
+from gpusched.daemon.statelock import StateLock, StateLocked
+from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError
 
 
 class StartupError(Exception):
     """The daemon cannot start; the message says why and what to do."""
+
+
+def lock_state_dir(config: DaemonConfig) -> StateLock:
+    """Create the state directory (0711: job owners must reach their own log, STATE/logs/ID.log, but
+    may not list anything) and take the one-daemon lock on it."""
+    try:
+        os.makedirs(config.state_dir, mode=0o711, exist_ok=True)
+        os.chmod(config.state_dir, 0o711)
+        lock = StateLock(config.state_dir)
+        lock.acquire()
+    except StateLocked as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        raise StartupError(f"state directory {config.state_dir}: {exc.strerror or exc}") from None
+    return lock
+
+
+def open_store(config: DaemonConfig) -> Store:
+    """The state database, or a StartupError that says what is wrong with it (never a traceback)."""
+    try:
+        return Store(config.db_path)
+    except (StoreError, OSError) as exc:
+        raise StartupError(f"cannot open the state database: {exc}") from None
+    except sqlite3.Error as exc:  # not a database, locked by another program, a read-only file system
+        raise StartupError(f"cannot open the state database {config.db_path}: {exc}; if the file is damaged, "
+                           "restore it from a backup (docs/admin-guide.md)") from None
 
 
 def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:

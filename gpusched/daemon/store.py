@@ -201,6 +201,20 @@ class Store(StoreReader):
             )
         return job.model_copy(update=fields)
 
+    def ids_start_after(self, highest: int) -> bool:
+        """New job ids come after `highest` (the largest id that has files in the state directory).
+        A database restored from a backup, or one that lost its WAL, would hand out again the ids of
+        jobs it forgot, and with them those jobs' directories and logs. True if the sequence moved."""
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
+        if int(row[0] if row is not None else 0) >= highest:
+            return False
+        with self._tx() as db:
+            if row is None:
+                db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('jobs', ?)", (highest,))
+            else:
+                db.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'jobs'", (highest,))
+        return True
+
     def prune_finished(self, *, ended_before: float, keep: int, protect: Iterable[int] = (),
                        batch: int = 500) -> list[int]:
         """Delete up to `batch` finished jobs (with their transitions and events) that ended before

@@ -16,10 +16,6 @@ while sentinel jobs are running. Then, once every job has ended:
   were running across the last `kill -9` (re-adopted from their shims); none is LOST while its
   marker shows it ran.
 
-Known bug: a cancel answered while a restarted daemon is still loading its state can erase an
-earlier acknowledged cancel (see the strict xfail at the end of this file); a storm run that hits
-only that is reported as xfail with the job ids, and anything else fails.
-
 Scale: GPUSCHED_CRASH_SCALE submissions in all (default 600) over GPUSCHED_CRASH_SEEDS seeds
 (default 3). The issue's full run is 5,000 submissions:
 
@@ -299,17 +295,7 @@ def check(seed: int, ledger: Ledger, jobs: list[Any], marker_dir: str, sentinels
               f"{late_markers} while it was starting and wrote its marker after the ack), "
               f"{len(ledger.already_finished)} already finished, {ledger.retries} reconnect attempts; "
               f"final states {dict(sorted(counts.items()))}")
-    # Known bug (test_a_cancel_during_startup_keeps_earlier_acknowledged_cancels): a cancel served
-    # while a restarted daemon is still loading its state erases earlier persisted stop requests,
-    # so a job whose cancel was acknowledged before the crash dies of that SIGTERM as FAILED.
-    # Reported as an xfail of this run; any other problem fails the test.
-    forgotten = {j.id for j in jobs if j.id in ledger.cancel_acked and j.state is JobState.FAILED
-                 and j.reason == "killed by signal SIGTERM"}
-    others = [p for p in problems if not any(p.startswith(f"job {i} (") for i in forgotten)]
-    assert not others, f"{len(others)} problem(s):\n" + "\n".join(others[:30])
-    if forgotten:
-        pytest.xfail(f"BUG: acknowledged cancel forgotten across a restart for job(s) {sorted(forgotten)} "
-                     "(see test_a_cancel_during_startup_keeps_earlier_acknowledged_cancels)")
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:30])
 
 
 # ---- a targeted recovery case ------------------------------------------------------------------

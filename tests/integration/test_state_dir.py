@@ -1,0 +1,226 @@
+"""The state directory: one daemon at a time, clear refusals, and what a crash or a restored backup
+must not do to it (found by the durability audit; each test failed on the code before its fix)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from gpusched.daemon import store as store_module
+from gpusched.daemon.standing import save_scheduler_state
+from gpusched.model import JobSpec, JobState, WholeRequest
+from gpusched.protocol import (
+    CancelRequest,
+    CancelResult,
+    LogsRequest,
+    LogsResult,
+    ShowRequest,
+    ShowResult,
+    SubmitRequest,
+    SubmitResult,
+)
+from gpusched_cli.client import Client
+from tests.conftest import DaemonHandle, DaemonProcess, kill_job_processes, short_tmpdir, wait_until
+
+CRASHPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crashpoint.py")
+
+
+def spec(*argv: str, **fields: Any) -> JobSpec:
+    return JobSpec(argv=list(argv), cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=WholeRequest(gpus=1),
+                   **fields)
+
+
+def gpuschedd(config: str, sim: str, socket: str, state_dir: str) -> list[str]:
+    return [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", sim, "--socket", socket,
+            "--state-dir", state_dir]
+
+
+@dataclass
+class CrashingDaemon(DaemonProcess):
+    """The real program, SIGKILLed just before it commits a running job's move to `crash_at`."""
+
+    crash_at: str = ""
+
+    def start(self, *extra: str) -> CrashingDaemon:
+        if not self.crash_at:
+            super().start(*extra)
+            return self
+        self.log_path = os.path.join(os.path.dirname(self.socket), "daemon.log")
+        self.write_config(self.extra_config)
+        argv = [sys.executable, CRASHPOINT, *gpuschedd(self.config_path, self.sim, self.socket, self.state_dir)[3:]]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
+                                         env={**os.environ, "CRASH_AT": self.crash_at})
+        wait_until(self._answers, timeout=30, what=f"gpuschedd on {self.socket}")
+        return self
+
+    def killed_at_its_crash_point(self) -> bool:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(20) == -9
+        except subprocess.TimeoutExpired:
+            return False
+
+
+@pytest.fixture
+def crashing() -> Iterator[Callable[[], CrashingDaemon]]:
+    made: list[CrashingDaemon] = []
+
+    def make() -> CrashingDaemon:
+        base = short_tmpdir()
+        proc = CrashingDaemon(os.path.join(base, "g.sock"), os.path.join(base, "state"), "H100-80GB:2")
+        made.append(proc)
+        return proc
+
+    yield make
+    for proc in made:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)
+        kill_job_processes(proc.state_dir)
+        shutil.rmtree(os.path.dirname(proc.socket), ignore_errors=True)
+
+
+def show(socket: str, job_id: int) -> ShowResult:
+    with Client(socket) as c:
+        return c.call(ShowRequest(job_id=job_id), ShowResult)
+
+
+def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(daemon_process: Callable[..., DaemonProcess]) -> None:
+    """Only the socket was checked: a second daemon with another --socket ran a second scheduler
+    on the same database, and put two jobs on one GPU."""
+    first = daemon_process().start()
+    other_socket = os.path.join(os.path.dirname(first.socket), "other.sock")
+    out = subprocess.run(gpuschedd(first.config_path, first.sim, other_socket, first.state_dir),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"another gpuschedd (pid {first.proc.pid if first.proc else '?'}) is using the state directory" \
+           in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not os.path.exists(other_socket)
+    with Client(first.socket) as c:  # the first one is unharmed
+        job = c.call(SubmitRequest(spec=spec("true")), SubmitResult).job_id
+        wait_until(lambda: c.call(ShowRequest(job_id=job), ShowResult).job.state is JobState.COMPLETED,
+                   what="a job on the first daemon")
+    first.kill9()  # the kernel drops the lock with the process: the next start takes it
+    first.start()
+
+
+def test_a_damaged_database_is_refused_with_a_message_not_a_traceback(tmp_path: Any) -> None:
+    base = short_tmpdir()
+    try:
+        state = os.path.join(base, "state")
+        os.makedirs(state)
+        with open(os.path.join(state, "gpusched.db"), "wb") as f:
+            f.write(b"this is not a database" * 400)
+        config = os.path.join(base, "g.toml")
+        with open(config, "w") as f:
+            f.write('allow_root_jobs = true\ncgroup_root = "off"\n')
+        out = subprocess.run(gpuschedd(config, "H100-80GB:1", os.path.join(base, "g.sock"), state),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1
+        assert "Traceback" not in out.stderr, out.stderr[-800:]
+        assert "cannot open the state database" in out.stderr and "restore it from a backup" in out.stderr
+
+        blocked = os.path.join(base, "file")
+        open(blocked, "w").close()  # a state "directory" that is a file
+        out = subprocess.run(gpuschedd(config, "H100-80GB:1", os.path.join(base, "h.sock"), blocked),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1
+        assert "Traceback" not in out.stderr, out.stderr[-800:]
+        assert f"state directory {blocked}:" in out.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("crash_at", "final"), [("CANCELLED", JobState.CANCELLED), ("TIMEOUT", JobState.TIMEOUT)])
+def test_a_crash_as_a_stopped_job_ends_keeps_why_it_was_stopped(
+    crashing: Callable[[], CrashingDaemon], crash_at: str, final: JobState,
+) -> None:
+    """The stop request was erased (and committed) before the end was: a kill -9 in between left a
+    job dead with no reason, and the restart ended an acknowledged cancel, or a time limit, FAILED."""
+    d = crashing()
+    d.crash_at = crash_at
+    d.start()
+    with Client(d.socket) as c:
+        job = c.call(SubmitRequest(spec=spec("sleep", "300", time_limit_s=2 if final is JobState.TIMEOUT else None)),
+                     SubmitResult).job_id
+        if final is JobState.CANCELLED:
+            wait_until(lambda: c.call(ShowRequest(job_id=job), ShowResult).job.state is JobState.RUNNING,
+                       what="the job to run")
+            assert c.call(CancelRequest(job_ids=[job]), CancelResult).cancelled == [job]
+    assert d.killed_at_its_crash_point(), d.log()
+    d.crash_at = ""
+    d.start()
+    ended = show(d.socket, job).job
+    assert ended.state is final, (ended.state, ended.reason)
+
+
+def test_a_start_that_could_not_be_recorded_is_tried_again(daemon: DaemonHandle,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler had taken the job off its queue; the failed write (a full disk) ended the pass,
+    and the job waited PENDING for ever beside an idle GPU. Saving the standing failed first too."""
+    real_transition = store_module.Store.transition
+    failures = {"STARTING": 2}
+
+    def full_disk(self: store_module.Store, job: Any, new: JobState, **kwargs: Any) -> Any:
+        if failures.get(new.value, 0) > 0:
+            failures[new.value] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_transition(self, job, new, **kwargs)
+
+    standing_failures = [1]
+
+    def standing_full_disk(*args: Any, **kwargs: Any) -> None:
+        if standing_failures[0] > 0:
+            standing_failures[0] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        save_scheduler_state(*args, **kwargs)
+
+    monkeypatch.setattr(store_module.Store, "transition", full_disk)
+    monkeypatch.setattr("gpusched.daemon.engine.save_scheduler_state", standing_full_disk)
+    with daemon.client() as c:
+        job = c.call(SubmitRequest(spec=spec("true")), SubmitResult).job_id
+        wait_until(lambda: c.call(ShowRequest(job_id=job), ShowResult).job.state is JobState.COMPLETED,
+                   timeout=15, what="the job to run once its start could be recorded")
+    assert failures["STARTING"] == 0 and standing_failures == [0]
+
+
+def test_after_a_restored_backup_new_jobs_do_not_take_a_forgotten_jobs_id_or_log(daemon: DaemonHandle) -> None:
+    """admin-guide's restore (replace gpusched.db, remove -wal and -shm) handed out again the ids of
+    the jobs run since the backup, and with them their logs: another user read the old output."""
+    db = os.path.join(daemon.state_dir, "gpusched.db")
+
+    def run(text: str) -> int:
+        with daemon.client() as c:
+            job_id = c.call(SubmitRequest(spec=spec("sh", "-c", f"echo {text}")), SubmitResult).job_id
+            wait_until(lambda: c.call(ShowRequest(job_id=job_id), ShowResult).job.state is JobState.COMPLETED,
+                       what=f"job {job_id}")
+        return job_id
+
+    run("before-the-backup")
+    backup = os.path.join(os.path.dirname(daemon.socket), "backup.db")
+    src, dst = sqlite3.connect(db), sqlite3.connect(backup)  # what `sqlite3 DB ".backup FILE"` does
+    src.backup(dst)
+    src.close()
+    dst.close()
+    forgotten = run("SECRET")
+    daemon.stop()
+    shutil.copy(backup, db)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(db + suffix):
+            os.unlink(db + suffix)
+    daemon.daemon = None
+    daemon.start()
+    new = run("mine")
+    assert new > forgotten
+    with daemon.client() as c:
+        assert c.call(LogsRequest(job_id=new), LogsResult).data == "mine\n"
