@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from gpusched.arrayspec import MAX_SPEC_CHARS, MAX_TASK_INDEX, ArraySpecError, parse_array_spec
-from gpusched.model import JobId, JobSpec
+from gpusched.model import JobId, JobSpec, ShareRequest
 
 # The results (protocol_results.py) and the plain part (framing, codes, version, sockets, in
 # gpusched.wire so the client can use it without pydantic) are re-exported here, so
@@ -60,6 +60,7 @@ from gpusched.protocol_results import ok_body as ok_body
 from gpusched.protocol_results import unset as _unset
 from gpusched.wire import HEADER as HEADER
 from gpusched.wire import MAX_FRAME as MAX_FRAME
+from gpusched.wire import MIN_SHARE as MIN_SHARE
 from gpusched.wire import PROTOCOL_VERSION as PROTOCOL_VERSION
 from gpusched.wire import ROOT_SOCKET as ROOT_SOCKET
 from gpusched.wire import ErrorCode as ErrorCode
@@ -100,6 +101,16 @@ class SubmitRequest(_Req):
         "of the same user returns the job (or array) the first one created, with duplicate = true, and creates "
         "nothing; so a client whose connection broke before the answer may safely send the submit again",
     )
+
+    @field_validator("spec")
+    @classmethod
+    def _share_step(cls, spec: JobSpec) -> JobSpec:
+        # MPS caps a client's SMs in whole percent (launch.py): a smaller share would get 1 % and be
+        # charged its own tiny fraction. Checked on submit only, so jobs stored before still load.
+        if isinstance(spec.request, ShareRequest) and spec.request.fraction < MIN_SHARE:
+            raise ValueError(f"request.fraction {spec.request.fraction:g} is below {MIN_SHARE:g}: a share is at least "
+                             f"1% of a GPU (MPS caps a client's SMs in whole percent)")
+        return spec
 
     @field_validator("array")
     @classmethod

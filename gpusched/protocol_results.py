@@ -83,6 +83,9 @@ class QueueResult(_Res):
     arrays: list[ArraySummary] = Field(default_factory=list, exclude_if=unset,
                                        description="job arrays, one row each (their tasks are not in `jobs` unless "
                                        "array_tasks was asked for)")
+    arrays_total: int | None = Field(default=None, exclude_if=unset,
+                                     description="array rows that matched, present only when the limit (which "
+                                     "array rows count against, after the jobs) left some out of `arrays`")
 
 
 class RuntimeEstimate(_Res):

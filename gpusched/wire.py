@@ -18,6 +18,9 @@ from typing import Any
 
 PROTOCOL_VERSION = "1.1"  # 1.1: job arrays, submit request_id
 MAX_FRAME = 1 << 20  # 1 MiB
+# The smallest share a submit may ask for: MPS caps a client's SMs in whole percent, so a smaller
+# one would run with 1 % and be charged its own tiny fraction (checked by SubmitRequest and the CLI).
+MIN_SHARE = 0.01
 HEADER = struct.Struct(">I")
 
 

@@ -9,8 +9,10 @@ them only when used.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 import struct
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,17 +45,38 @@ class DaemonUnavailable(Exception):
 
 
 def resolve_socket(explicit: str | None, env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
-    """`--socket`, else $GPUSCHED_SOCKET, else the first default socket that exists."""
+    """`--socket`, else $GPUSCHED_SOCKET, else the first default socket that accepts connections."""
     env = os.environ if env is None else env
     if explicit:
         return explicit
     if env.get("GPUSCHED_SOCKET"):
         return env["GPUSCHED_SOCKET"]
     candidates = socket_candidates(os.getuid() if uid is None else uid, env)
-    for path in candidates:
-        if os.path.exists(path):
+    existing = [path for path in candidates if os.path.exists(path)]
+    for path in existing:
+        if _listening(path):
             return path
-    return candidates[0]
+    # none answers: the first that exists (or the system one) is the one the error names
+    return existing[0] if existing else candidates[0]
+
+
+def _listening(path: str) -> bool:
+    """Does something accept connections there? A socket a crashed daemon left behind refuses them,
+    and must not hide your own daemon's socket further down the list. Nothing is sent."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _trusted(uid: int) -> bool:
@@ -115,7 +138,8 @@ class Client:
             check_daemon_identity(sock, self.path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
-            state = "does not exist" if isinstance(exc, FileNotFoundError) else "refuses connections (stale socket)"
+            state = ("does not exist" if isinstance(exc, FileNotFoundError) else
+                     "is not a socket" if not _is_socket(self.path) else "refuses connections (stale socket)")
             raise DaemonUnavailable(
                 f"gpuschedd is not running: socket {self.path} {state}",
                 "start it with `sudo systemctl start gpusched`, or run your own on simulated GPUs: "
@@ -129,6 +153,15 @@ class Client:
             raise DaemonUnavailable(
                 f"permission denied connecting to {self.path}",
                 "the socket should be mode 0666; check the daemon's --socket directory permissions",
+            ) from None
+        except OSError as exc:  # a path through a file, one too long for a socket, a datagram socket, ...
+            sock.close()
+            why = ("is not a stream socket" if exc.errno == errno.EPROTOTYPE
+                   else f"cannot be used: {exc.strerror or exc}")
+            raise DaemonUnavailable(
+                f"cannot reach gpuschedd: socket {self.path} {why}",
+                "name the daemon's socket with --socket (or $GPUSCHED_SOCKET); `gpuschedd --help` shows where it "
+                "listens",
             ) from None
         self._sock = sock
         try:

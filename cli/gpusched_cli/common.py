@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -11,14 +13,36 @@ from typing import Any, NoReturn
 import click
 
 from gpusched.arrayspec import ArraySpecError, parse_job_ref
-from gpusched_cli import render
+from gpusched_cli import render, resubmit
 from gpusched_cli.client import Client, resolve_socket
+
+
+class OutputClosed(Exception):
+    """Standard output cannot be written: the reader of a pipe went away (`gpusched queue | head -1`),
+    or a full disk. Not the daemon's connection, which the same errno would otherwise be taken for."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.error = error
+
+
+@contextmanager
+def writing_output() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise OutputClosed(exc) from None
 
 
 def echo(message: str, err: bool = False) -> None:
     """Print for people: every character a terminal would act on is escaped (render.printable), since
     names, commands, reasons and even error messages can carry other users' text."""
-    click.echo(render.printable(message), err=err)
+    if err:
+        with contextlib.suppress(OSError):  # nothing better to do with an error that cannot be shown
+            click.echo(render.printable(message), err=True)
+        return
+    with writing_output():
+        click.echo(render.printable(message))
 
 
 def fail(message: str, hint: str, code: int) -> NoReturn:
@@ -29,14 +53,22 @@ def fail(message: str, hint: str, code: int) -> NoReturn:
 
 
 @contextmanager
-def connected(ctx: click.Context, timeout: float = 60.0) -> Iterator[Client]:
-    """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery."""
+def connected(ctx: click.Context, timeout: float = 60.0, retry_broken_s: float = 0.0) -> Iterator[Client]:
+    """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery.
+
+    `retry_broken_s`: a connection that a daemon accepted and then broke (killed or restarted during
+    the hello) is tried again for this long (`submit`); a daemon that is simply not there is not."""
     obj = ctx.find_root().obj
     path = resolve_socket(obj.get("socket"))
     obj["socket_path"] = path
     client = Client(path, timeout=timeout)
     try:
-        client.connect()  # not `with Client(...)`: a refused hello would leave the socket open
+        try:
+            client.connect()  # not `with Client(...)`: a refused hello would leave the socket open
+        except (ConnectionError, TimeoutError):
+            if retry_broken_s <= 0:
+                raise
+            resubmit.reconnect(client, time.monotonic() + retry_broken_s)
         yield client
     finally:
         client.close()
@@ -49,9 +81,10 @@ def print_json(data: Any, compact: bool = False) -> None:
 
 def write_verbatim(text: str) -> None:
     """Log text exactly as the job wrote it: no ANSI stripping (click.echo would), no re-encoding."""
-    sys.stdout.flush()
-    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
-    sys.stdout.buffer.flush()
+    with writing_output():
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
+        sys.stdout.buffer.flush()
 
 
 

@@ -27,6 +27,7 @@ EXIT_JOB_LOST = 123
 EXIT_JOB_TIMEOUT = 124
 EXIT_JOB_NOT_RUN = 125
 EXIT_INTERRUPTED = 130  # Ctrl-C while waiting or following (128 + SIGINT); the job keeps going
+EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (128 + SIGPIPE, what a shell shows for a C tool)
 
 CODE_EXITS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: EXIT_NOT_FOUND,
@@ -48,8 +49,9 @@ Exit codes:
   6  request can never be satisfied on this node (e.g. more GPUs than it has)
   7  client and daemon protocol versions differ
   8  a per-user limit was hit (pending jobs, submit rate); try again later
+  141  the reader of the output went away (a pipe closed), quietly
 \b
-submit --wait exits with the job's own exit code, or:
+submit --wait and wait exit with the job's own exit code, or:
   128+N  the job was killed by signal N
   122    the job was cancelled
   123    the job was lost (its process vanished, e.g. daemon host crash)
@@ -59,7 +61,7 @@ submit --wait exits with the job's own exit code, or:
 \b
 Socket: --socket PATH, else $GPUSCHED_SOCKET, else the first of
 /run/gpusched/gpusched.sock, $XDG_RUNTIME_DIR/gpusched/gpusched.sock,
-/tmp/gpusched-$UID/gpusched.sock that exists. See docs/cli.md."""
+/tmp/gpusched-$UID/gpusched.sock that accepts connections. See docs/cli.md."""
 
 
 def job_exit_status(job: Job | JSON) -> int:

@@ -10,7 +10,10 @@ go out as plain JSON (`messages.py`) and results are read as plain JSON (`result
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
+import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -18,7 +21,7 @@ import click
 
 from gpusched.wire import PROTOCOL_VERSION, ProtocolError
 from gpusched_cli.client import DaemonUnavailable
-from gpusched_cli.common import fail
+from gpusched_cli.common import OutputClosed, fail
 
 # The exit codes lived here before exits.py; re-exported for the tests and scripts that import them.
 from gpusched_cli.exits import CODE_EXITS as CODE_EXITS
@@ -32,6 +35,7 @@ from gpusched_cli.exits import EXIT_JOB_TIMEOUT as EXIT_JOB_TIMEOUT
 from gpusched_cli.exits import EXIT_LIMIT as EXIT_LIMIT
 from gpusched_cli.exits import EXIT_NOT_FOUND as EXIT_NOT_FOUND
 from gpusched_cli.exits import EXIT_OK as EXIT_OK
+from gpusched_cli.exits import EXIT_OUTPUT_CLOSED as EXIT_OUTPUT_CLOSED
 from gpusched_cli.exits import EXIT_PERMISSION as EXIT_PERMISSION
 from gpusched_cli.exits import EXIT_UNAVAILABLE as EXIT_UNAVAILABLE
 from gpusched_cli.exits import EXIT_UNSATISFIABLE as EXIT_UNSATISFIABLE
@@ -108,6 +112,15 @@ class _Cli(click.Group):
             fail(exc.message, exc.hint, EXIT_UNAVAILABLE)
         except ProtocolError as exc:
             fail(exc.message, exc.hint, CODE_EXITS.get(exc.code, EXIT_ERROR))
+        except OutputClosed as exc:
+            # Nothing more can go to stdout: point it at /dev/null so that the interpreter's own
+            # flush at exit does not raise again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            if exc.error.errno == errno.EPIPE:
+                sys.exit(EXIT_OUTPUT_CLOSED)  # quietly, as a C tool that SIGPIPE ends
+            fail(f"cannot write the output: {exc}", "", EXIT_ERROR)
         except (TimeoutError, ConnectionError) as exc:
             path = ctx.obj.get("socket_path", "the daemon socket") if isinstance(ctx.obj, dict) else "socket"
             fail(

@@ -45,10 +45,11 @@ def submit(client: Client, message: dict[str, Any], retry_for_s: float = RETRY_F
         except (DaemonUnavailable, ConnectionError, TimeoutError):
             if time.monotonic() > deadline:
                 raise
-        _reconnect(client, deadline)
+        reconnect(client, deadline)
 
 
-def _reconnect(client: Client, deadline: float) -> None:
+def reconnect(client: Client, deadline: float) -> None:
+    """Connect `client` again, pausing between tries, until it works or `deadline` (monotonic) passes."""
     while True:
         client.close()
         time.sleep(_PAUSE_S)  # a restarting daemon needs a moment; this is a retry pause, not a wait for state

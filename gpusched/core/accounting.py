@@ -150,8 +150,20 @@ def device_busy_fraction(jobs: Iterable[Job], since: float, now: float) -> dict[
     return busy
 
 
+_WORK = frozenset({JobState.PENDING, JobState.STARTING, JobState.RUNNING, JobState.SUSPENDED})
+
+
 def _touches(job: Job, since: float, now: float) -> bool:
-    """Did the job exist and not yet end during [since, now]?"""
-    if job.submitted_at > now:
-        return False
-    return job.ended_at is None or job.ended_at >= since
+    """Was the job work during [since, now]: pending (runnable) or holding devices? A job that was
+    only held (`submit --hold`, then cancelled) asked for nothing, and its user is entitled to no
+    share for it."""
+    began: float | None = None
+    for t in job.history:
+        if t.state in _WORK:
+            if began is None:
+                began = t.at
+        elif began is not None:
+            if t.at > began and began <= now and t.at >= since:
+                return True
+            began = None
+    return began is not None and began <= now

@@ -105,17 +105,34 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     order = getattr(ctx.engine.scheduler, "fairness_order", None)
     if req.order == "fairness" and callable(order):
         rank = {job_id: i for i, job_id in enumerate(order())}
-        # Active and finished jobs first (by id), then pending ones as the scheduler would start them.
-        ordered.sort(key=lambda i: (i in rank, rank.get(i, 0), i))
+        # Active and finished jobs first (by id), then pending ones as the scheduler would start them,
+        # then those it does not hold yet (held, waiting for --after, held back by an array's %MAX).
+
+        def place(i: int) -> tuple[int, int, int]:
+            if i in rank:
+                return (1, rank[i], i)
+            waiting = i in live and live[i].state in WAITING_STATES
+            return (2 if waiting else 0, 0, i)
+
+        ordered.sort(key=place)
     rows: list[JobSummary] = []
-    size = sum(len(a.model_dump_json().encode()) + 1 for a in arrays)
+    size = 0
     for job_id in ordered[: req.limit]:
         row = summarize(live[job_id]) if job_id in live else _summary_of_row(finished[job_id])
         size += len(row.model_dump_json().encode()) + 1
         if size > REPLY_BUDGET:
             break
         rows.append(row)
-    return QueueResult(jobs=rows, total=max(len(ordered), len(live) + finished_total), arrays=arrays)
+    # Array rows count against the same limit and reply size, after the jobs: one user's thousands of
+    # arrays must not make the reply too large to send, nor push everyone else's jobs out of it.
+    listed: list[ArraySummary] = []
+    for summary in arrays[: max(0, req.limit - len(rows))]:
+        size += len(summary.model_dump_json().encode()) + 1
+        if size > REPLY_BUDGET:
+            break
+        listed.append(summary)
+    return QueueResult(jobs=rows, total=max(len(ordered), len(live) + finished_total), arrays=listed,
+                       arrays_total=len(arrays) if len(listed) < len(arrays) else None)
 
 
 async def _array_summaries(ctx: Context, live: dict[int, list[Job]], ended: set[int]) -> list[ArraySummary]:

@@ -207,8 +207,10 @@ def test_queue_all_lists_finished_arrays_without_crowding_out_other_jobs(node: D
     plain = [json.loads(gs(node, "submit", "--json", "--gpus", "1", "--", "true").stdout)["job_id"] for _ in range(2)]
     with node.client() as c:
         wait_until(lambda: not c.call(QueueRequest(), QueueResult).jobs, timeout=30, what="the plain jobs ended")
-        listing = c.call(QueueRequest(all=True, limit=2), QueueResult)
-    assert [j.id for j in listing.jobs] == plain  # the array's 5 finished tasks do not take the 2 rows
+        listing = c.call(QueueRequest(all=True, limit=3), QueueResult)
+        cut = c.call(QueueRequest(all=True, limit=2), QueueResult)
+    assert [j.id for j in listing.jobs] == plain  # the array's 5 finished tasks do not take the rows
+    assert ([j.id for j in cut.jobs], cut.arrays, cut.arrays_total) == (plain, [], 1)  # its row counts, after them
     [row] = listing.arrays
     assert (row.id, row.states, row.pending) == (array_id, {"COMPLETED": 5}, "")
 

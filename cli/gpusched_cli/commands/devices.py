@@ -38,8 +38,14 @@ def _devices_changed(op: str, result: dict[str, Any]) -> None:
         echo(line)
 
 
+def _device_arg(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value.strip():
+        raise click.BadParameter("is empty; give a GPU index (0) or a GPU- or MIG- UUID", ctx, param)
+    return value.strip()
+
+
 @gpus.command("drain")
-@click.argument("device", metavar="DEVICE")
+@click.argument("device", metavar="DEVICE", callback=_device_arg)
 @click.option("--reason", default="", help="why, shown in `gpusched gpus`")
 @click.pass_context
 def gpus_drain(ctx: click.Context, device: str, reason: str) -> None:
@@ -50,7 +56,7 @@ def gpus_drain(ctx: click.Context, device: str, reason: str) -> None:
 
 
 @gpus.command("resume")
-@click.argument("device", metavar="DEVICE")
+@click.argument("device", metavar="DEVICE", callback=_device_arg)
 @click.pass_context
 def gpus_resume(ctx: click.Context, device: str) -> None:
     """Admin: put a drained DEVICE (GPU index, GPU- or MIG- UUID) back in service."""

@@ -50,6 +50,9 @@ def queue(ctx: click.Context, show_all: bool, user: str | None, order: str, limi
         text = render.queue_table(result["jobs"], time.time(), labels, result.get("arrays", []),
                                   keep_order=order == "fairness")
         hidden = result.get("total", 0) - len(result["jobs"])
+        arrays_total = result.get("arrays_total")
+        if arrays_total is not None:  # array rows left out too (they count against --limit after the jobs)
+            hidden += arrays_total - len(result.get("arrays", []))
     echo(text)
     if hidden > 0:
         echo(f"... {hidden} more not shown (narrow with --user, or --limit up to 3000)")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import click
 
 from gpusched.arrayspec import ArraySpecError, parse_array_spec
+from gpusched.wire import MIN_SHARE
 from gpusched_cli import messages, render, resubmit
 from gpusched_cli.client import Client
 from gpusched_cli.common import connected, echo, print_json
@@ -39,6 +40,43 @@ def _size_flag(ctx: click.Context, param: click.Parameter, value: str | None) ->
 # A limit past a year is a typo (or `99999d` meant as "none", which is leaving --time out). The
 # daemon takes any finite limit; this keeps `show` and `queue` from printing nonsense.
 MAX_TIME_LIMIT_S = 365 * 86400
+
+
+def _is_text(value: str) -> bool:
+    """Not a byte string in disguise: what Python decodes from non-UTF-8 bytes (argv, environment,
+    paths) carries lone surrogates, which JSON, and so the daemon, cannot take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _working_directory() -> str:
+    try:
+        cwd = os.getcwd()
+    except OSError as exc:  # deleted under the shell, or no longer searchable
+        raise click.UsageError(f"the current directory cannot be read ({exc.strerror}); the job runs where you "
+                               "submit it: cd to a directory that exists and submit again") from None
+    if not _is_text(cwd):
+        raise click.UsageError(f"the current directory {cwd!r} is not UTF-8 text, which gpusched cannot pass on; "
+                               "submit from a directory whose path is")
+    return cwd
+
+
+def _require_text(command: tuple[str, ...], env: dict[str, str], name: str | None) -> None:
+    """Name what is not UTF-8 text, before anything is sent (a clear usage error, not a traceback)."""
+    for index, arg in enumerate(command):
+        if not _is_text(arg):
+            raise click.BadParameter(f"argument {index} ({arg!r}) is not UTF-8 text, which gpusched cannot pass on",
+                                     param_hint="'-- CMD'")
+    for key, value in env.items():
+        if not _is_text(key) or not _is_text(value):
+            raise click.BadParameter(
+                f"the environment variable {key!r} is not UTF-8 text, which gpusched cannot pass on; unset it, "
+                "or name the variables the job needs (--export NAME,NAME=value,...)", param_hint="--export")
+    if name is not None and not _is_text(name):
+        raise click.BadParameter(f"{name!r} is not UTF-8 text", param_hint="--name")
 
 
 def _time_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -98,6 +136,9 @@ def _fraction_flag(ctx: click.Context, param: click.Parameter, value: str | None
         raise click.BadParameter(
             f"{value!r} must be more than 0 and at most 1 (a fraction of one GPU's compute)", ctx, param
         )
+    if fraction < MIN_SHARE:
+        raise click.BadParameter(
+            f"{value!r} is below {MIN_SHARE:g} (1%): MPS caps a share's SMs in whole percent", ctx, param)
     return fraction
 
 
@@ -209,7 +250,8 @@ def check_with_model(spec: dict[str, Any]) -> None:
 @click.option("--gpus", type=click.IntRange(1, 64), help="N whole GPUs")
 @click.option("--mig", metavar="PROFILE", callback=_check_mig, help="one MIG instance, e.g. 3g.40gb")
 @click.option("--share", metavar="F", callback=_fraction_flag,
-              help="a fraction of one GPU's compute (MPS), e.g. 0.25 or 25%; needs --gpu-mem")
+              help="a fraction of one GPU's compute on a shared device (MPS or time-slicing), e.g. 0.25 or 25%, "
+                   "at least 0.01; needs --gpu-mem")
 @click.option("--gpu-mem", "gpu_mem", metavar="SIZE", callback=_size_flag,
               help="GPU memory cap with --share: 10G, 512M, 1.5GiB, 1024 (MiB)")
 @click.option("--name", help="job name (default: the program's name)")
@@ -277,9 +319,11 @@ def submit(
         env = parse_export(export, os.environ)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--export") from None
+    cwd = _working_directory()
+    _require_text(command, env, name)
     spec = messages.job_spec(
         argv=list(command),
-        cwd=os.getcwd(),
+        cwd=cwd,
         env=env,
         request=request,
         name=name,
@@ -295,7 +339,7 @@ def submit(
     if might_be_invalid(spec):
         check_with_model(spec)
 
-    with connected(ctx) as client:
+    with connected(ctx, retry_broken_s=resubmit.RETRY_FOR_S) as client:
         if any(task is not None for _, task, _ in after):
             spec["after"] = _task_jobs(client, after)
         message = messages.submit(spec, hold, array=array, request_id=resubmit.new_request_id())
