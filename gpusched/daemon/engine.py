@@ -113,6 +113,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self.commits = GroupCommit(store)  # submits share COMMITs (daemon/groupcommit.py)
         self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
         self._handing: set[int] = set()  # array tasks accepted but not yet handed to the scheduler
+        self._batch_log = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._gpu_state_moves: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None

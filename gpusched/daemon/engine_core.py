@@ -11,7 +11,8 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from gpusched.config import DaemonConfig
@@ -58,6 +59,7 @@ class EngineCore:
     devices: DeviceManager
     launcher: Launcher
     checkpoints: Checkpoints
+    _batch_log: dict[int, tuple[Job, Job]] | None  # inside `batch()`: job id -> (before it, now)
     jobs: dict[int, Job]
     inventory: Inventory
     scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
@@ -245,9 +247,56 @@ class EngineCore:
                 log.warning("job %d: cgroup %s still has processes; left in place", job_id,
                             self.cgroups.job_path(job_id))
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """`store.batch()` for many jobs' changes (cancel, hold, ... of an array), and if its COMMIT
+        fails (a full disk), every job changed in it goes back in memory to what the store still
+        says: the request is answered with an error, so nothing of it may stay applied."""
+        if self.store.batching or self._batch_log is not None:
+            yield
+            return
+        changed: dict[int, tuple[Job, Job]] = {}
+        self._batch_log = changed
+        failed_inside: BaseException | None = None
+        try:
+            with self.store.batch():
+                try:
+                    yield
+                except BaseException as exc:  # the changes made before it still commit
+                    failed_inside = exc
+                    raise
+        except BaseException as exc:
+            if exc is not failed_inside:  # the COMMIT itself failed: none of the batch is stored
+                self._batch_log = None
+                self._revert(changed)
+            raise
+        finally:
+            self._batch_log = None
+
+    def _revert(self, changed: dict[int, tuple[Job, Job]]) -> None:
+        for before, after in reversed(list(changed.values())):
+            try:
+                log.warning("job %d: back to %s (its change to %s was not committed)", before.id, before.state,
+                            after.state)
+                self._follow(after, before)
+                if after.state is JobState.SUSPENDED and before.state is JobState.RUNNING and before.pid:
+                    self.executor.signal(before.pid, signal.SIGCONT)  # its SIGSTOP stands for nothing now
+            except Exception:
+                log.exception("job %d: could not go back to its stored state", before.id)
+
     def _set(self, job: Job, state: JobState, reason: str, *, at: float | None = None, **fields: object) -> Job:
         """Commit a transition (at `at`, for one that happened earlier than now), then keep every index current."""
         updated = self.store.transition(job, state, now=self.clock() if at is None else at, reason=reason, **fields)
+        if self._batch_log is not None:
+            first = self._batch_log.get(job.id)
+            self._batch_log[job.id] = (first[0] if first is not None else job, updated)
+        log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        self._follow(job, updated)
+        return updated
+
+    def _follow(self, job: Job, updated: Job) -> None:
+        """Every index follows `job` becoming `updated`: a committed change, or one undone (`_revert`)."""
+        state = updated.state
         self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
@@ -256,7 +305,6 @@ class EngineCore:
                 observe(updated)  # its run time teaches the estimates (core/estimate.py)
         else:
             self.jobs[job.id] = updated
-        log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
         if state in ACTIVE_STATES:
             self._active.setdefault(job.id)  # a job already active keeps its place
         else:
@@ -284,7 +332,6 @@ class EngineCore:
                 if freed in self.jobs:
                     self._enqueue(self.jobs[freed])
         self._notify()
-        return updated
 
     def _set_yielded(self, job_id: int, on: bool) -> None:
         if on == (job_id in self._yielded):

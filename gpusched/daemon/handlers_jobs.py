@@ -212,7 +212,7 @@ async def cancel(ctx: Context, req: CancelRequest) -> CancelResult:
     for start in range(0, len(refs), CANCEL_CHUNK):
         if start:
             await asyncio.sleep(0)  # between chunks the loop serves everyone else
-        with ctx.engine.store.batch():  # one COMMIT per chunk, not one per job (an array has 10,000)
+        with ctx.engine.batch():  # one COMMIT per chunk, not one per job (an array has 10,000)
             for ref in refs[start : start + CANCEL_CHUNK]:
                 by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
                 if ref.job is not None and await ctx.engine.cancel(ref.job, f"cancelled{by}"):
@@ -295,7 +295,7 @@ async def _each(ctx: Context, job_ids: list[int], verb: str, act: Callable[[Job,
     for start in range(0, len(refs), CANCEL_CHUNK):
         if start:
             await asyncio.sleep(0)
-        with ctx.engine.store.batch():
+        with ctx.engine.batch():
             for ref in refs[start : start + CANCEL_CHUNK]:
                 by = "" if ref.uid == ctx.peer.uid else f" by {ctx.user}"
                 # Read again: a job may have moved on, or ended, while the loop served others.

@@ -224,3 +224,45 @@ def test_after_a_restored_backup_new_jobs_do_not_take_a_forgotten_jobs_id_or_log
     assert new > forgotten
     with daemon.client() as c:
         assert c.call(LogsRequest(job_id=new), LogsResult).data == "mine\n"
+
+
+def test_a_change_whose_commit_failed_is_not_applied_anyway(daemon: DaemonHandle,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`release` and `cancel` answered an internal error when the COMMIT failed (a full disk), yet
+    the daemon went on as if they had happened: it listed the held job PENDING and dropped the other
+    from the queue, while the store (and any restart) still had both HELD."""
+    from gpusched.protocol import QueueRequest, QueueResult, ReleaseRequest
+
+    real_commit, real_transition = store_module.Store._commit, store_module.Store.transition
+    fail = [0]
+    changing = [False]  # only the COMMIT of a transaction that changed a job's state fails (not the loop's own)
+
+    def transition(self: store_module.Store, *args: Any, **kwargs: Any) -> Any:
+        changing[0] = True
+        return real_transition(self, *args, **kwargs)
+
+    def commit(self: store_module.Store) -> None:
+        if fail[0] > 0 and changing[0]:
+            fail[0] -= 1
+            changing[0] = False
+            self._db.execute("ROLLBACK")  # as _commit does when COMMIT fails
+            raise sqlite3.OperationalError("database or disk is full")
+        changing[0] = False
+        real_commit(self)
+
+    monkeypatch.setattr(store_module.Store, "transition", transition)
+    monkeypatch.setattr(store_module.Store, "_commit", commit)
+    with daemon.client() as c:
+        held = c.call(SubmitRequest(spec=spec("true"), hold=True), SubmitResult).job_id
+        other = c.call(SubmitRequest(spec=spec("true"), hold=True), SubmitResult).job_id
+        for request in (ReleaseRequest(job_ids=[held]), CancelRequest(job_ids=[other])):
+            fail[0] = 1
+            reply = c.raw_call(request.model_dump(mode="json"))
+            assert reply["ok"] is False and reply["error"]["code"] == "internal", reply
+        states = {r.id: r.state for r in c.call(QueueRequest(all=True), QueueResult).jobs}
+        assert states == {held: JobState.HELD, other: JobState.HELD}, states
+        # with room again, both go through, and the released one runs
+        assert c.raw_call(ReleaseRequest(job_ids=[held]).model_dump(mode="json"))["ok"]
+        assert c.call(CancelRequest(job_ids=[other]), CancelResult).cancelled == [other]
+        wait_until(lambda: c.call(ShowRequest(job_id=held), ShowResult).job.state is JobState.COMPLETED,
+                   what="the released job to run")
