@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sqlite3
 
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Trace
@@ -97,6 +98,8 @@ class RecoveryMixin(EngineCore):
             elif rule.verdict is Verdict.LOST:
                 self._end(job, JobState.LOST, rule.reason, ended_at=self.clock())
                 self._cleanup(job.id, job)
+        except sqlite3.Error as exc:  # what happened could not be written (a full disk): not the job's fault
+            log.error("job %d: cannot record it yet (%s); trying again at the next tick", job.id, exc)
         except Exception as exc:
             log.exception("job %d: recovery failed", job.id)
             self._abandon(job.id, f"recovery failed: {describe(exc)}")
@@ -112,9 +115,10 @@ class RecoveryMixin(EngineCore):
         try:
             self._end(job, fallback(job.state), reason, ended_at=self.clock())
         except Exception:
-            log.exception("job %d: cannot record its end; no longer tracked", job_id)
-            self.jobs.pop(job_id, None)
-            self._active.pop(job_id, None)
+            # (a full disk): it stays as it is, and the next tick's _poll_adopted tries again; a job
+            # forgotten here stayed RUNNING in the store and vanished from the queue for good
+            log.exception("job %d: cannot record its end yet; trying again at the next tick", job_id)
+            return
         with contextlib.suppress(Exception):
             self._cleanup(job_id, job)
 

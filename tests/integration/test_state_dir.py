@@ -266,3 +266,30 @@ def test_a_change_whose_commit_failed_is_not_applied_anyway(daemon: DaemonHandle
         assert c.call(CancelRequest(job_ids=[other]), CancelResult).cancelled == [other]
         wait_until(lambda: c.call(ShowRequest(job_id=held), ShowResult).job.state is JobState.COMPLETED,
                    what="the released job to run")
+
+
+def test_an_end_that_could_not_be_recorded_is_recorded_once_it_can(daemon: DaemonHandle,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that ended while its end could not be written (a full disk) was dropped: `queue` lost
+    it, `show` said RUNNING for ever, and nothing tried again once there was room."""
+    from gpusched.protocol import QueueRequest, QueueResult
+
+    real_transition = store_module.Store.transition
+    refused = [2]  # the reaper's try and the next tick's: the one after must record how it really ended
+
+    def full_disk(self: store_module.Store, job: Any, new: JobState, **kwargs: Any) -> Any:
+        if new in (JobState.COMPLETED, JobState.FAILED, JobState.LOST) and refused[0] > 0:
+            refused[0] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_transition(self, job, new, **kwargs)
+
+    monkeypatch.setattr(store_module.Store, "transition", full_disk)
+    with daemon.client() as c:
+        job = c.call(SubmitRequest(spec=spec("true")), SubmitResult).job_id
+        wait_until(lambda: refused[0] == 0 or c.call(ShowRequest(job_id=job), ShowResult).job.state
+                   is JobState.COMPLETED, what="the job's end to be refused")
+        ended = wait_until(lambda: (j := c.call(ShowRequest(job_id=job), ShowResult).job).state
+                           in (JobState.COMPLETED, JobState.FAILED, JobState.LOST) and j, timeout=15,
+                           what="its end to be recorded once it could be")
+        assert ended.state is JobState.COMPLETED and ended.exit_code == 0, (ended.state, ended.reason)
+        assert job in {r.id for r in c.call(QueueRequest(all=True), QueueResult).jobs}
