@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -150,7 +150,7 @@ class DaemonConfig(BaseModel):
     @classmethod
     def _index_keys(cls, value: dict[str, GpuConfig]) -> dict[str, GpuConfig]:
         for key in value:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdecimal()):  # (str.isdigit takes "²", which int() does not)
                 raise ValueError(f"GPU keys must be GPU indices like \"0\", not {key!r}")
         return value
 
@@ -228,6 +228,24 @@ def default_paths(uid: int, env: Mapping[str, str]) -> dict[str, str]:
     return {"socket": user_socket(uid, env), "state_dir": os.path.join(state_home, "gpusched")}
 
 
+def read_config_text(path: str) -> str:
+    """A config file's text: a regular file (a FIFO would block the reader, a device never end), at
+    most MAX_CONFIG_BYTES. Raises ConfigError for those, OSError / UnicodeDecodeError as reading does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO must not block the open)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+        while len(data) <= MAX_CONFIG_BYTES and (more := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
+            data += more
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES // 1024} KiB; is it the config file?")
+    return data.decode("utf-8")
+
+
 def load_config(
     path: str | None,
     overrides: Mapping[str, Any] | None = None,
@@ -243,7 +261,8 @@ def load_config(
         data.update(_read_toml(path))
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        return DaemonConfig.model_validate(data)
+        # strict: "0.5" for a number, "yes" or 1 for a flag, true for a weight are refused, not guessed at
+        return DaemonConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ConfigError(f"{source}: invalid configuration: {describe_errors(exc)}") from None
 
@@ -253,9 +272,12 @@ def describe_errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors())
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; /dev/zero or a log named by mistake is not one
+
+
 def _read_toml(path: str) -> dict[str, Any]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_config_text(path)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

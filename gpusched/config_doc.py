@@ -34,8 +34,11 @@ _INTRO = f"""\
 `gpuschedd --config FILE` reads a [TOML](https://toml.io) file; the system service reads
 `/etc/gpusched/gpusched.toml`. Command-line flags (`--socket`, `--state-dir`, `--sim`, `--mode`) override the
 file, and the file overrides the defaults below. A file with an unknown key, a value of the wrong
-type or out of range, or a TOML syntax error is refused at start with the file name, the key and
-the problem (and the line, for syntax errors); `systemctl reload gpusched` (SIGHUP) re-reads it.
+type (types are strict: `"0.5"` is not a number, `"yes"` or `1` not a flag; a whole number is a
+number) or out of range, a `[gpus.N]` this node does not have or a `mig` layout its model cannot
+hold, or a TOML syntax error is refused at start (exit 2) with the file name, the key and the problem
+(and the line, for syntax errors); `systemctl reload gpusched` (SIGHUP) re-reads it, and a bad file
+changes nothing. The file must be a regular file of at most 1 MiB.
 
 `systemd/gpusched.toml` is a commented example that sets every key. Keys left out keep their
 default; a key whose default is *unset* is off until it is given a value.

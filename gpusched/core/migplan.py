@@ -270,6 +270,12 @@ def _place_all(
     return [starts[i] for i in range(len(profs))]
 
 
+def layout_error(model: str, target_profiles: Sequence[str]) -> str | None:
+    """Why `target_profiles` can never be a layout of one `model` GPU (unknown profile, too much memory
+    or compute, no placement), or None: what a config's `mig = [...]` is checked against."""
+    return plan_layout_change(model, [], frozenset(), target_profiles).error
+
+
 def plan_layout_change(
     model: str,
     current_instances: Sequence[Instance],

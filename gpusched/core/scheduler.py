@@ -263,6 +263,10 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, P
                             remembered = True
                             self._park_remembered(head, fails, user_memo, mig_demand)
                     if not self.config.backfill:
+                        # Strict order, but the devices kept for interactive work still serve it:
+                        # else a head that needs them and the interactive jobs they are kept for
+                        # would wait for each other for as long as interactive demand lasts.
+                        self._start_on_headroom(cluster, reserved, doomed, now, actions)
                         break
                     # The head's own user is not parked: their other jobs may backfill too (a MIG job
                     # behind their blocked whole-GPU job should not idle a free instance).
@@ -293,6 +297,21 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, P
                 actions.extend(self._preempt(cluster, head, now, reserved, snapshot.checkpoint,
                                              snapshot.checkpoint_moves))
         return actions
+
+    def _start_on_headroom(self, cluster: Cluster, reserved: frozenset[str], doomed: frozenset[str], now: float,
+                           actions: list[Action]) -> None:
+        """With backfill off: start pending interactive jobs on the devices kept for them only."""
+        if not reserved:
+            return
+        elsewhere = frozenset(cluster.devices) - reserved
+        for job_id in list(self._interactive_pending):
+            job = self.queue.get(job_id)
+            if job is None or not cluster.has_room():
+                continue
+            alloc = self._place(cluster, job, reserved, doomed | elsewhere)
+            if alloc is not None:
+                actions.append(self._start(cluster, job, alloc, now, "interactive work on the devices kept for it "
+                                                                      "(backfill is off)"))
 
     def _observe_shape(self, snapshot: Snapshot) -> None:
         """Re-check satisfiability of everything pending when the node's shape changes."""

@@ -28,6 +28,7 @@ from gpusched.daemon.executor import Executor
 from gpusched.daemon.metrics import MetricsServer
 from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
 from gpusched.daemon.startup import StartupError as StartupError
+from gpusched.daemon.startup import check_gpu_configs as check_gpu_configs
 from gpusched.daemon.startup import lock_state_dir as lock_state_dir
 from gpusched.daemon.startup import open_cgroups as open_cgroups
 from gpusched.daemon.startup import open_gpu_backend as open_gpu_backend
@@ -93,7 +94,8 @@ class Daemon:
         """
         if self.loader is None:
             raise ConfigError("this daemon was started without a config file; there is nothing to re-read")
-        new = self.loader()
+        new = await asyncio.to_thread(self.loader)  # (a file on a slow mount must not stall the loop)
+        check_gpu_configs(new, self.engine.inventory)  # before anything changes
         old = self.config
         changed = [k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)]
         restart = [k for k in changed if k in RESTART_KEYS]
@@ -175,6 +177,7 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
         raise StartupError(str(exc)) from None
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
+    check_gpu_configs(config, backend.inventory())  # ConfigError: what the file says this node cannot be
     store = open_store(config)
     executor = Executor(config.state_dir, launcher=config.launcher)
     highest = executor.highest_job_id()
@@ -353,6 +356,9 @@ def cli(config_path: str | None, sim: str | None, socket_path: str | None, state
     except StartupError as exc:
         click.echo(f"gpuschedd: cannot start: {exc}", err=True)
         sys.exit(1)
+    except ConfigError as exc:  # what the file asks of GPUs this node does not have (check_gpu_configs)
+        click.echo(f"gpuschedd: {config_path or 'the configuration'}: {exc}", err=True)
+        sys.exit(2)
     sys.exit(code)
 
 

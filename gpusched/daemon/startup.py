@@ -7,15 +7,15 @@ from __future__ import annotations
 import os
 import sqlite3
 
-from gpusched.config import DaemonConfig
+from gpusched.config import ConfigError, DaemonConfig
 from gpusched.core.estimate import EstimatorConfig
 from gpusched.core.fairshare import FairnessConfig
-from gpusched.core.migplan import MigPolicy
+from gpusched.core.migplan import MigPolicy, layout_error
 from gpusched.core.scheduler import SchedulerConfig
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.statelock import StateLock, StateLocked
 from gpusched.daemon.store import Store, StoreError
-from gpusched.gpu.backend import GpuBackend, GpuError
+from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 
 
 class StartupError(Exception):
@@ -35,6 +35,24 @@ def lock_state_dir(config: DaemonConfig) -> StateLock:
     except OSError as exc:
         raise StartupError(f"state directory {config.state_dir}: {exc.strerror or exc}") from None
     return lock
+
+
+def check_gpu_configs(config: DaemonConfig, inventory: Inventory) -> None:
+    """Raise ConfigError naming `gpus.N` for a GPU this node does not have, or a fixed layout its
+    model can never hold: at start (exit 2) and before a reload changes anything."""
+    gpus = {g.index: g for g in inventory.gpus}
+    problems = []
+    for key, gpu_config in sorted(config.gpus.items(), key=lambda item: int(item[0])):
+        gpu = gpus.get(int(key))
+        if gpu is None:
+            have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPU"
+            problems.append(f"gpus.{key}: there is no GPU {key} (this node has {have})")
+        elif isinstance(gpu_config.mig, list):
+            error = layout_error(gpu.model, gpu_config.mig)
+            if error is not None:
+                problems.append(f"gpus.{key}.mig: {error}")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def open_store(config: DaemonConfig) -> Store:

@@ -7,10 +7,11 @@ the trace was taken can be left out (`censored`).
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import math
 from collections import Counter
+
+from pydantic import ValidationError
 
 from gpusched.model import ShareRequest, WholeRequest
 from gpusched.replay.timesource import TIME_COLUMNS, finite_number, load_time_source
@@ -21,6 +22,7 @@ from gpusched.replay.tracefile import (
     Trace,
     TraceError,
     TraceJob,
+    csv_header,
     number_field,
     read_rows,
     scale_to_load,
@@ -60,8 +62,7 @@ def parse_alibaba(path: str, *, gpus: int, gpu_memory_mib: int, load: float = 0.
     if not 0 < load <= 10:
         raise ValueError("--load must be in (0, 10]")
     errs = RowErrors()
-    with open(path, newline="", encoding="utf-8") as fh:
-        header = [c.strip() for c in next(csv.reader(fh), [])]
+    header = csv_header(path)
     own_times = [c for c in TIME_COLUMNS if c in header]
     if times_from is not None and own_times:
         raise ValueError(f"{path} has its own time columns ({', '.join(own_times)}); --times-from is only for "
@@ -133,7 +134,11 @@ def _alibaba_job(errs: RowErrors, skipped: Counter[str], line: int, row: dict[st
         errs.add(line, "num_gpu", f"{row['num_gpu']} is not a whole number")
         return None
     if milli >= 1000:
-        request = WholeRequest(gpus=int(num_gpu))
+        try:
+            request = WholeRequest(gpus=int(num_gpu))
+        except ValidationError as exc:
+            errs.add(line, "num_gpu", "; ".join(str(e["msg"]) for e in exc.errors()))
+            return None
     elif num_gpu == 1 and milli > 0:
         frac = milli / 1000
         request = ShareRequest(fraction=frac, gpu_mem_mib=max(1, math.ceil(frac * mem_total)))

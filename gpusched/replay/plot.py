@@ -6,6 +6,7 @@ so replays without a plot and the client never pay for it.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from gpusched.replay.metrics import user_service, utilization_series
@@ -48,5 +49,8 @@ def write_plot(report: ReplayReport, path: str) -> None:
     bottom.set_title("Service per user")
     bottom.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()  # drawn in memory, then written: matplotlib does not report every write error
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    with open(path, "wb") as out:  # OSError (no such directory, a full disk) for the caller to report
+        out.write(image.getvalue())

@@ -5,11 +5,16 @@ the node set-up, read from TOML with every error naming the file, section and ke
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from gpusched.config import ConfigError, read_config_text
+from gpusched.config_sections import FairnessSection, MigSection, SchedulerSection
 from gpusched.core.estimate import EstimatorConfig
 from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy
@@ -52,6 +57,10 @@ class Interference:
     mig_mode_s: float = 10.0  # a MIG mode switch of an idle GPU (a GPU reset; no published figure)
 
     def __post_init__(self) -> None:
+        for name in ("timeslice_overhead", "mps_slowdown", "mig_create_s", "mig_destroy_s", "checkpoint_restore_s",
+                     "mig_mode_s"):
+            if not math.isfinite(getattr(self, name)):  # a NaN time would stop the simulated clock
+                raise ValueError(f"{name} must be a finite number")
         if not 0 <= self.timeslice_overhead < 1 or not 0 <= self.mps_slowdown < 1:
             raise ValueError("timeslice_overhead and mps_slowdown must be in [0, 1)")
         if min(self.mig_create_s, self.mig_destroy_s, self.checkpoint_restore_s, self.mig_mode_s) < 0:
@@ -80,10 +89,13 @@ def load_config(path: str | None) -> ReplayConfig:
     if path is None:
         return ReplayConfig()
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        data = tomllib.loads(read_config_text(path))
     except OSError as exc:
         raise ReplayConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except ConfigError as exc:
+        raise ReplayConfigError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise ReplayConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ReplayConfigError(f"{path}: not valid TOML: {exc}") from None
     return config_from_dict(data, source=path)
@@ -131,16 +143,50 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayC
     return cfg
 
 
+# The daemon's sections hold the ranges of the keys the two files share (config_sections.py); the
+# replay's [estimator] names its keys after EstimatorConfig, the daemon's [scheduler] after itself.
+_DAEMON_SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
+    "fairness": (FairnessSection, {}),
+    "scheduler": (SchedulerSection, {}),
+    "mig": (MigSection, {}),
+    "estimator": (SchedulerSection, {"history": "estimate_history", "elapsed_factor": "estimate_elapsed_factor"}),
+}
+_NESTED = {"scheduler", "interference", "fairness", "mig", "estimator"}
+
+
 def _build(cls: Any, values: Any, section: str, source: str) -> Any:
     if not isinstance(values, Mapping):
         raise ReplayConfigError(f"{source}: [{section}] must be a table")
     known = {f.name for f in fields(cls)}
     extra = (set(values) - known) - ({"mig_gpus", "static_layouts"} if cls is ReplayConfig else set())
     if extra:
-        shown = sorted(known - {"scheduler", "interference", "fairness", "mig", "estimator"})
+        shown = sorted(known - _NESTED)
         raise ReplayConfigError(f"{source}: [{section}] unknown key(s): {', '.join(sorted(extra))} "
                                 f"(known: {', '.join(shown)})")
+    _check_values(cls, values, section, source)
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise ReplayConfigError(f"{source}: [{section}] {exc}") from None
+
+
+def _check_values(cls: Any, values: Mapping[str, Any], section: str, source: str) -> None:
+    """Each key's value: of its field's type, strictly ("no" is not a flag, "x" not a number, 1.5
+    not a count), finite, and in the range the daemon's own section gives the same key."""
+    hints = get_type_hints(cls)
+    daemon, renamed = _DAEMON_SECTIONS.get(section, (None, {}))
+    for key, value in values.items():
+        if key in _NESTED:
+            continue  # a section of its own, built (and checked) before
+        try:
+            TypeAdapter(hints[key]).validate_python(value, strict=True)
+        except ValidationError as exc:
+            raise ReplayConfigError(f"{source}: [{section}] {key}: {exc.errors()[0]['msg']}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ReplayConfigError(f"{source}: [{section}] {key}: must be a finite number, not {value}")
+        name = renamed.get(key, key)
+        if daemon is not None and name in daemon.model_fields:
+            try:
+                daemon.model_validate({name: value}, strict=True)
+            except ValidationError as exc:
+                raise ReplayConfigError(f"{source}: [{section}] {key}: {exc.errors()[0]['msg']}") from None

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 from gpusched.gcpause import LongLivedHeap, gc_paused
 from gpusched.gpu.profiles import MODELS
+from gpusched.model import MigRequest
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
 from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
 from gpusched.replay.sim import SimResult, run_policy
 from gpusched.replay.trace import Censored, Trace, load_trace
+from gpusched.replay.tracefile import RowErrors, TraceError
 
 
 @dataclass(slots=True)
@@ -38,6 +40,19 @@ def resolve_policies(name: str) -> list[str]:
     return [name]
 
 
+def check_profiles(trace_path: str, trace: Trace, models: Sequence[str]) -> None:
+    """A MIG profile none of the node's GPU models offers is a bad row (TraceError), not a job that
+    some policies round up to a whole GPU and others can never run."""
+    offered = {p.name for model in set(models) for p in MODELS[model].profiles}
+    errs = RowErrors()
+    for job in trace.jobs:
+        if isinstance(job.request, MigRequest) and job.request.profile not in offered:
+            errs.add(job.line, "mig", f"{job.request.profile} is not a MIG profile of "
+                     f"{', '.join(sorted(set(models)))} (they offer {', '.join(sorted(offered))})")
+    if errs:
+        raise TraceError(trace_path, errs.items, more=errs.more)
+
+
 def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto", config_path: str | None = None,
                policies: Sequence[str] = POLICIES, load: float | None = None, users: int = 16, seed: int = 1,
                config: ReplayConfig | None = None, limit: int | None = None,
@@ -58,6 +73,7 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     with gc_paused():
         trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
                            seed=seed, limit=limit, times_from=times_from, censored=censored)
+    check_profiles(trace_path, trace, models)
     heap = LongLivedHeap()
     if freeze_trace:  # and what survives each full collection during the replay (the jobs it built)
         heap.start(sweep_interval_s=None)

@@ -15,6 +15,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from gpusched.replay.tracefile import csv_lines
+
 TIME_COLUMNS: tuple[str, ...] = ("creation_time", "scheduled_time", "deletion_time")
 MAX_ERRORS = 50
 
@@ -69,8 +71,8 @@ def load_time_source(path: str) -> TimeSource:
     by_name: dict[str, dict[str, str]] = {}
     pool: list[dict[str, str]] = []
     last_deletion = -math.inf
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
+    with csv_lines(path) as lines:
+        reader = csv.DictReader(lines)
         header = [c.strip() for c in reader.fieldnames or []]
         missing = [c for c in ("name", "num_gpu", *TIME_COLUMNS) if c not in header]
         if missing:

@@ -8,7 +8,6 @@ one at a time, so a user fixing a hand-written trace sees every bad line at once
 
 from __future__ import annotations
 
-import csv
 import math
 
 from pydantic import ValidationError
@@ -30,6 +29,7 @@ from gpusched.replay.tracefile import (
     TraceError,
     TraceFormat,
     TraceJob,
+    csv_header,
     number_field,
     offered_demand,
     read_rows,
@@ -53,9 +53,7 @@ def detect_format(path: str) -> TraceFormat:
     The time-less variants (multigpu50) must be recognised too, so that the user is told to give
     --times-from rather than that every generic-CSV column is missing.
     """
-    with open(path, newline="", encoding="utf-8") as fh:
-        header = next(csv.reader(fh), [])
-    cols = {c.strip() for c in header}
+    cols = set(csv_header(path))
     return "alibaba" if set(ALIBABA_REQUEST_COLUMNS) <= cols else "csv"
 
 
@@ -67,6 +65,8 @@ def load_trace(path: str, fmt: str = "auto", *, gpus: int = 8, gpu_memory_mib: i
     `times_from`: an Alibaba pod list with times, for a pod list without them (timesource.py).
     `censored`: what to do with Alibaba pods still running when the trace was taken (parse_alibaba).
     """
+    if load is not None and not (math.isfinite(load) and 0 < load <= 10):
+        raise ValueError(f"--load must be in (0, 10], not {load}")
     kind = detect_format(path) if fmt == "auto" else fmt
     if kind == "csv":
         if times_from is not None:
@@ -86,8 +86,7 @@ def load_trace(path: str, fmt: str = "auto", *, gpus: int = 8, gpu_memory_mib: i
 def parse_csv(path: str, *, limit: int | None = None) -> Trace:
     """The generic format (docs/replay.md): one job per row, errors collected by line and field."""
     errs = RowErrors()
-    with open(path, newline="", encoding="utf-8") as fh:
-        header = [c.strip() for c in next(csv.reader(fh), [])]
+    header = csv_header(path)
     missing = [c for c in CSV_REQUIRED if c not in header]
     for c in missing:
         errs.add(1, c, "required column missing from the header")
@@ -165,6 +164,9 @@ def _csv_request(errs: RowErrors, line: int, row: dict[str, str], kind: str) -> 
                 return None
             if n != int(n):
                 errs.add(line, "gpus", f"{row['gpus']} must be a whole number of GPUs")
+                return None
+            if row.get("gpu_mem", ""):
+                errs.add(line, "gpu_mem", "only a share takes gpu_mem (a whole GPU has all its memory)")
                 return None
             return WholeRequest(gpus=int(n))
         if kind == "mig":

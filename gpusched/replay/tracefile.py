@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import stat
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import IO, Literal
 
 from gpusched.model import MigRequest, ShareRequest, WholeRequest
 
@@ -106,16 +109,70 @@ class Trace:
         return sorted({j.user for j in self.jobs})
 
 
+MAX_LINE_CHARS = 1 << 16  # a trace row is a few hundred characters; /dev/zero is one endless line
+
+
+@contextmanager
+def csv_lines(path: str) -> Iterator[Iterator[str]]:
+    """The lines of a trace or pod list for `csv`: a regular file only (a device or a FIFO never ends),
+    read as UTF-8 (a byte-order mark is dropped), no line longer than MAX_LINE_CHARS. Anything else
+    is a ValueError naming the file and the line, never a traceback or a read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (opening a FIFO must not block)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        fh = open(fd, newline="", encoding="utf-8-sig", closefd=False)  # noqa: SIM115 - closed below
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield _bounded(fh, path)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid UTF-8 (byte {exc.start} of a block read near where the error is)") \
+            from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a readable CSV file: {exc}") from None
+    finally:
+        fh.close()
+        os.close(fd)
+
+
+def _bounded(fh: IO[str], path: str) -> Iterator[str]:
+    number = 0
+    while True:
+        line = fh.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"{path}: line {number} is longer than {MAX_LINE_CHARS} characters; is it a trace?")
+        yield line
+
+
+def csv_header(path: str) -> list[str]:
+    """The header row's columns, stripped (empty for an empty file)."""
+    with csv_lines(path) as lines:
+        return [c.strip() for c in next(csv.reader(lines), [])]
+
+
 def read_rows(path: str, limit: int | None) -> Iterator[tuple[int, dict[str, str]]]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
+    with csv_lines(path) as lines:
+        reader = csv.DictReader(lines)
         if reader.fieldnames is None:
             return
-        reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        columns = reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        twice = sorted({c for c in columns if columns.count(c) > 1})
+        if twice:  # (DictReader would keep the last one's values without a word)
+            raise TraceError(path, [FieldError(1, c, "column named twice in the header") for c in twice])
         for n, row in enumerate(reader):
             if limit is not None and n >= limit:
                 return
-            yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k is not None}
+            if None in row:  # (DictReader would drop them without a word)
+                cells = len(columns) + len(row[None])
+                raise TraceError(path, [FieldError(reader.line_num, "(row)",
+                                                   f"{cells} cells, the header has {len(columns)} columns")])
+            yield reader.line_num, {k: (v or "").strip() for k, v in row.items()}
 
 
 class RowErrors:

@@ -45,6 +45,8 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
     Runs each policy on the same trace and prints their figures side by side. Exits 2 on a bad
     trace, config or option.
     """
+    if plot_path is not None and not plot_path.strip():
+        raise click.BadParameter("is empty; give the PNG file to write", param_hint="--plot")
     from gpusched.replay import runner  # heavy (core, simulator): only when this command runs
     from gpusched.replay.policies import ReplayConfigError
     from gpusched.replay.trace import TraceError
@@ -75,6 +77,9 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
             write_plot(report, plot_path)
         except PlotUnavailable as exc:
             echo(f"gpusched: {exc}", err=True)
+            ctx.exit(EXIT_ERROR)
+        except OSError as exc:
+            echo(f"gpusched: cannot write the plot to {plot_path}: {exc.strerror or exc}", err=True)
             ctx.exit(EXIT_ERROR)
         if not as_json:
             echo(f"plot written to {plot_path}")
