@@ -128,9 +128,6 @@ def csv_lines(path: str) -> Iterator[Iterator[str]]:
         raise
     try:
         yield _bounded(fh, path)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not valid UTF-8 (byte {exc.start} of a block read near where the error is)") \
-            from None
     except csv.Error as exc:
         raise ValueError(f"{path}: not a readable CSV file: {exc}") from None
     finally:
@@ -141,7 +138,10 @@ def csv_lines(path: str) -> Iterator[Iterator[str]]:
 def _bounded(fh: IO[str], path: str) -> Iterator[str]:
     number = 0
     while True:
-        line = fh.readline(MAX_LINE_CHARS + 1)
+        try:
+            line = fh.readline(MAX_LINE_CHARS + 1)
+        except UnicodeDecodeError:  # (decoded a block at a time: the bad byte is on this line or a later one)
+            raise ValueError(f"{path}: not valid UTF-8 at or after line {number + 1}") from None
         if not line:
             return
         number += 1
