@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from gpusched.arrayspec import MAX_SPEC_CHARS, MAX_TASK_INDEX, ArraySpecError, parse_array_spec
-from gpusched.model import JobId, JobSpec, ShareRequest
+from gpusched.model import JobId, JobSpec, ShareRequest, bounded
 
 # The results (protocol_results.py) and the plain part (framing, codes, version, sockets, in
 # gpusched.wire so the client can use it without pydantic) are re-exported here, so
@@ -101,6 +101,18 @@ class SubmitRequest(_Req):
         "of the same user returns the job (or array) the first one created, with duplicate = true, and creates "
         "nothing; so a client whose connection broke before the answer may safely send the submit again",
     )
+
+    @field_validator("spec")
+    @classmethod
+    def _text_only(cls, spec: JobSpec) -> JobSpec:
+        # JSON carries lone surrogates ("\udcff") that no file, process or database takes as text:
+        # refused here, not met as an internal error when the job is written
+        for what, values in (("argv", spec.argv), ("env", [f"{k}={v}" for k, v in spec.env.items()])):
+            try:
+                "\0".join(values).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{what} holds text that is not valid Unicode (a lone surrogate)") from None
+        return spec
 
     @field_validator("spec")
     @classmethod
@@ -359,7 +371,9 @@ def describe_validation_error(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in _strip_tags(err["loc"]))
         if not loc:
             loc = "op" if err["type"].startswith("union_tag") else "(message)"
-        parts.append(f"{loc}: {err['msg']}")
+        # both can carry what the client sent (an unknown field's name, a bad tag's value): bounded,
+        # so that a bad request's answer is always a bad_request, never a reply too large to send
+        parts.append(f"{bounded(loc, 200)}: {bounded(str(err['msg']), 300)}")
     more = len(exc.errors()) - 3
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 

@@ -38,6 +38,7 @@ from gpusched.daemon.engine_requests import RequestsMixin
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.groupcommit import GroupCommit
 from gpusched.daemon.launch import Launcher, LaunchFailed, allocation_env
+from gpusched.daemon.readgate import ReadGate
 from gpusched.daemon.recovery import StopRequest
 from gpusched.daemon.standing import load_scheduler_state, save_scheduler_state
 from gpusched.daemon.store import Store
@@ -114,6 +115,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
         self._handing: set[int] = set()  # array tasks accepted but not yet handed to the scheduler
         self._batch_log = None
+        self.reads = ReadGate()  # big reads of the store, one per user at a time (readgate.py)
         self._tasks: set[asyncio.Task[None]] = set()
         self._gpu_state_moves: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None

@@ -194,6 +194,8 @@ class RequestsMixin(EngineCore):
     def suspend(self, job: Job, reason: str) -> str | None:
         """SIGSTOP a running job's process group; returns why not, or None when done."""
         job = self.jobs.get(job.id, job)
+        if len(job.history) >= MAX_REQUESTED_CHANGES:
+            return _too_many_changes(job)
         if job.state is not JobState.RUNNING or not job.pid:
             return f"job is {job.state}, not RUNNING"
         if job.id in self._stops:
@@ -217,6 +219,8 @@ class RequestsMixin(EngineCore):
 
     def hold(self, job: Job, reason: str) -> str | None:
         job = self.jobs.get(job.id, job)
+        if len(job.history) >= MAX_REQUESTED_CHANGES:
+            return _too_many_changes(job)
         if job.state is not JobState.PENDING:
             return f"job is {job.state}, not PENDING"
         self._set(job, JobState.HELD, reason)
@@ -284,3 +288,15 @@ def _submitted(array_id: int | None, jobs: list[Job], *, duplicate: bool) -> Sub
     if array_id is None:
         return SubmitResult.model_construct(job_id=jobs[0].id, state=jobs[0].state, duplicate=duplicate)
     return SubmitResult.model_construct(job_id=array_id, state=jobs[0].state, tasks=len(jobs), duplicate=duplicate)
+
+
+# A job's history is kept whole (`show`, accounting), and each of its transitions stays in the
+# reply: hold/release or suspend/resume cycles, which cost an owner nothing, would otherwise grow
+# it until `show` and `wait` of the job no longer fit in a frame (20,000 took 6 s). The daemon's
+# own transitions (start, end, requeue) are bounded by the preemption budget.
+MAX_REQUESTED_CHANGES = 1000
+
+
+def _too_many_changes(job: Job) -> str:
+    return (f"job has changed state {len(job.history)} times; after {MAX_REQUESTED_CHANGES} it can no longer be "
+            "held or suspended (its history must fit in a reply): cancel it and submit it again")

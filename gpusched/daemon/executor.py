@@ -201,7 +201,14 @@ class Executor:
     def _create_log(self, job_id: int, who: Identity) -> str:
         """Create the log as the job's owner in a directory only root writes: no symlink tricks."""
         path = self.log_path(job_id)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except BlockingIOError:
+            # A process of the job's last run holds a lease on it, which a plain open would wait
+            # out (45 s, with the loop): that run's log stays with that process, this run gets a new one.
+            os.unlink(path)
+            fd = os.open(path, flags | os.O_EXCL, 0o600)
         try:
             if who.drop:
                 os.fchown(fd, who.uid, who.gid)

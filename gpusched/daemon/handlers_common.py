@@ -58,7 +58,7 @@ class Context:
 
 async def _read(ctx: Context, query: Callable[[StoreReader], _T]) -> _T:
     """Run a read of the database on a worker thread with its own connection: big reads (`queue --all`,
-    `stats`) must not stall the event loop that serves every other client."""
+    `stats`) must not stall the event loop that serves every other client (nor may one user's many)."""
     path = ctx.engine.store.path
 
     def run() -> _T:
@@ -68,7 +68,8 @@ async def _read(ctx: Context, query: Callable[[StoreReader], _T]) -> _T:
         finally:
             reader.close()
 
-    return await asyncio.to_thread(run)
+    async with ctx.engine.reads.slot(ctx.peer.uid):
+        return await asyncio.to_thread(run)
 
 
 def summarize(job: Job) -> JobSummary:
@@ -186,12 +187,22 @@ def _redact(ctx: Context, job: Job) -> Job:
 
 
 def _read_log(path: str, offset: int, limit: int) -> bytes:
+    """Up to `limit` bytes of a job's log from `offset`. The log belongs to the job's user, who may
+    take a lease on it: a plain open() would then wait for the kernel's lease-break time (45 s) with
+    the event loop, and every client, waiting too. O_NONBLOCK makes such an open fail at once."""
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(limit)
-    except (OSError, OverflowError):  # missing, or an offset past what the filesystem can address
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except BlockingIOError:
+        raise ProtocolError(ErrorCode.INVALID_STATE, "the job's log is held under a lease by one of its processes",
+                            "try again once the job lets go of it") from None
+    except OSError:  # missing
         return b""
+    try:
+        return os.pread(fd, limit, offset)
+    except (OSError, OverflowError):  # an offset past what the filesystem can address
+        return b""
+    finally:
+        os.close(fd)
 
 
 def _log_size(path: str) -> int:

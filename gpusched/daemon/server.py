@@ -166,9 +166,12 @@ class Server:
                       self.request_shutdown, self.path, self.reload)
         greeted = False
         deadline = self._deadlines.watch()
+        # One hello deadline from the connect: answering other requests (hello_required) must not
+        # start it again, or a client could stay connected without ever saying who it is.
+        hello_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT_S
         try:
             while not self._closing:
-                body = await self._read_frame(reader, writer, deadline, greeted)
+                body = await self._read_frame(reader, writer, deadline, greeted, hello_by)
                 if body is None:
                     return
                 self._begin()
@@ -184,7 +187,7 @@ class Server:
             self._deadlines.forget(deadline)
 
     async def _read_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, deadline: Deadline,
-                          greeted: bool) -> bytes | None:
+                          greeted: bool, hello_by: float) -> bytes | None:
         """The next request's body, or None when the connection is to be closed (after saying why, when
         there is something to say).
 
@@ -194,7 +197,7 @@ class Server:
         daemon's CPU at thousands of requests a second."""
         framing = False  # the first byte came: the frame must now be finished within read_timeout_s
         try:
-            deadline.arm(self.idle_timeout_s if greeted else HELLO_TIMEOUT_S)
+            deadline.arm(self.idle_timeout_s if greeted else max(0.0, hello_by - asyncio.get_running_loop().time()))
             first = await reader.readexactly(1)
             framing = True
             deadline.arm(self.read_timeout_s)
