@@ -219,7 +219,8 @@ class Store(StoreReader):
                        batch: int = 500) -> list[int]:
         """Delete up to `batch` finished jobs (with their transitions and events) that ended before
         `ended_before` or are beyond the newest `keep` finished ones; never those in `protect` (the
-        targets of pending `--after` dependencies), nor the tasks of an array in `protect`. Returns
+        targets of pending `--after` dependencies), nor, of an array in `protect`, one task of each
+        state its tasks ended in (all `--after ARRAY` reads). Returns
         the ids deleted; call again until empty.
         Small batches keep each write transaction short, so the loop's own commits never wait long."""
         terminal = [s.value for s in TERMINAL_STATES]
@@ -228,12 +229,15 @@ class Store(StoreReader):
         cutoff = self._db.execute(f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY id DESC LIMIT 1 OFFSET ?",
                                   (*terminal, keep)).fetchone() if keep >= 0 else None
         newest_doomed = cutoff[0] if cutoff is not None else 0  # this id and older are beyond `keep`
-        # A protected array id protects its tasks (`--after ARRAY` reads how they ended): left out in SQL,
-        # so that 10,000 of them cannot fill every batch and stop the pruning of everything else.
+        # `--after ARRAY` reads how the array ended from the set of states its tasks ended in
+        # (engine_core._dependency_status), so a protected array keeps one task per state, not all of
+        # them: one held job's 64 `--after` slots could otherwise keep 64 arrays of 10,001 tasks.
+        protected |= {row[0] for row in self._db.execute(
+            "SELECT MIN(id) FROM jobs WHERE array_id IN (SELECT value FROM json_each(?)) GROUP BY array_id, state",
+            (json.dumps(sorted(protected)),))}
         candidates = self._db.execute(
-            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) AND (array_id IS NULL OR "
-            "array_id NOT IN (SELECT value FROM json_each(?))) ORDER BY id LIMIT ?",
-            (*terminal, ended_before, newest_doomed, json.dumps(sorted(protected)), batch + len(protected)),
+            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) ORDER BY id LIMIT ?",
+            (*terminal, ended_before, newest_doomed, batch + len(protected)),
         ).fetchall()
         ids = [r[0] for r in candidates if r[0] not in protected][:batch]
         if not ids:

@@ -112,19 +112,23 @@ def test_an_array_is_one_row_plus_its_tasks_sharing_one_spec(tmp_path: Path) -> 
     store.close()
 
 
-def test_a_protected_array_keeps_its_tasks_and_others_are_still_pruned(tmp_path: Path) -> None:
-    """`--after ARRAY` reads how its tasks ended: protecting the array's id protects them, however many."""
+def test_a_protected_array_keeps_one_task_per_state_and_the_rest_is_pruned(tmp_path: Path) -> None:
+    """`--after ARRAY` reads how the array ended from the states its tasks ended in: protecting the
+    array keeps one task of each (the lowest id), not all of them (one held job's 64 `--after` slots
+    kept 64 arrays of 10,001 tasks)."""
     store = Store(str(tmp_path / "gpusched.db"))
     array_id, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("/bin/sweep"), now=1.0,
                                          array=parse_array_spec("1-5"))
     plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/one"), now=2.0)
-    for job in [*tasks, plain]:
+    for job in [*tasks[:3], plain]:
         store.transition(job, JobState.CANCELLED, now=3.0, reason="cancelled", ended_at=3.0)
-    # A batch of 2 with 5 protected tasks ahead of the plain job: the tasks must not take the batch.
-    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == [plain.id]
-    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=2) == []
-    assert store.array_counts([array_id]) == {array_id: {"CANCELLED": 5}}
-    assert sorted(store.prune_finished(ended_before=10.0, keep=0, batch=10)) == [t.id for t in tasks]
+    for job in tasks[3:]:
+        store.transition(job, JobState.FAILED, now=3.0, reason="unsatisfiable", ended_at=3.0)
+    deleted = store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=10)
+    assert sorted(deleted) == sorted([tasks[1].id, tasks[2].id, tasks[4].id, plain.id])
+    assert store.array_counts([array_id]) == {array_id: {"CANCELLED": 1, "FAILED": 1}}
+    assert store.prune_finished(ended_before=10.0, keep=0, protect={array_id}, batch=10) == []
+    assert sorted(store.prune_finished(ended_before=10.0, keep=0, batch=10)) == [tasks[0].id, tasks[3].id]
     store.close()
 
 

@@ -4,6 +4,7 @@ reply for everyone (each test failed on the code before its fix). Needs root (to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -157,6 +159,31 @@ def test_one_users_stats_requests_do_not_stall_scheduling(daemon: DaemonHandle) 
     assert start < 5.0 and all_took < 5.0, (
         f"with one user's 50 connections asking for stats: root's job took {start:.1f} s to start on an idle "
         f"GPU (the tick awaits refresh_inventory in the same saturated executor) and `queue --all` {all_took:.1f} s")
+
+
+# ---- 3. --after pinned whole arrays: max_finished_jobs no longer bounded the database ----------------
+
+def test_a_held_dependency_cannot_pin_unbounded_finished_jobs(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    handle = daemon_factory(max_finished_jobs=10)
+    arrays = []
+    for _ in range(3):
+        [sub] = as_user(UID, handle.socket, {"op": "submit", "spec": _spec("true"), "hold": True, "array": "0-999"})
+        arrays.append(sub["result"]["job_id"])
+        as_user(UID, handle.socket, {"op": "cancel", "job_ids": [arrays[-1]]})
+    after = [{"job_id": a, "condition": "any"} for a in arrays]
+    [held] = as_user(UID, handle.socket, {"op": "submit", "spec": _spec("true", after=after), "hold": True})
+    assert held["ok"], held
+    assert handle.daemon is not None and handle.loop is not None
+    asyncio.run_coroutine_threadsafe(handle.daemon.prune(), handle.loop).result(60)
+    with handle.client() as c:
+        kept = c.raw_call({"op": "queue", "all": True, "array_tasks": True, "limit": 3000})["result"]["total"]
+    # docs/security.md: "Submit-and-cancel therefore grows the database by at most 10,000 x 256 KiB ...
+    # whatever the rate". One held job (64 --after slots) pinned 64 x 10,001 finished tasks.
+    assert kept <= 10 + 3 * 5 + 1, f"{kept} finished jobs kept with max_finished_jobs = 10, pinned by one held job"
+    with handle.client() as c:  # and the held job still reads how each array ended
+        c.raw_call({"op": "release", "job_ids": [held["result"]["job_id"]]})
+        wait_until(lambda: c.raw_call({"op": "show", "job_id": held["result"]["job_id"]})["result"]["job"]["state"]
+                   == "COMPLETED", what="the job after the three cancelled arrays (--after ...:any) to run")
 
 
 # ---- 4. malformed input that is answered `internal` (with a traceback in the log) ------------------
