@@ -28,6 +28,7 @@ FAIL: Status = "FAIL"
 def run_checks(engine: Engine, socket_path: str) -> list[DoctorCheck]:
     checks: list[DoctorCheck] = []
     checks += _driver(engine)
+    checks += _drains(engine)
     checks += _mig(engine)
     checks += _foreign_processes(engine)
     checks += _numa(engine)
@@ -49,6 +50,27 @@ def _driver(engine: Engine) -> Iterable[DoctorCheck]:
                  f"{len(inv.gpus)} GPU(s)")
     for index, why in sorted(inv.errors.items()):
         yield _check(f"gpu{index}.readable", FAIL, why, "the GPU is unschedulable until this is fixed")
+
+
+def _drains(engine: Engine) -> Iterable[DoctorCheck]:
+    """A drained device runs nothing new: WARN for each, FAIL when no device can take a job at all."""
+    gpus = engine.inventory.gpus
+    usable = 0
+    for gpu in gpus:
+        devices = [(i.uuid, f"{i.profile} {i.uuid}") for i in gpu.instances] if gpu.mig_enabled else []
+        why = engine.devices.drain_reason(gpu.uuid)
+        if why is not None:
+            yield _check(f"gpu{gpu.index}.health", WARN, f"drained: {why}",
+                         f"no new job starts on it; `gpusched gpus resume {gpu.index}` puts it back once fixed")
+            continue
+        drained = [(name, reason) for uuid, name in devices if (reason := engine.devices.drain_reason(uuid))]
+        for name, reason in drained:
+            yield _check(f"gpu{gpu.index}.health", WARN, f"{name} drained: {reason}",
+                         "`gpusched gpus resume UUID` puts it back once fixed")
+        usable += 1 if not devices or len(drained) < len(devices) else 0
+    if gpus and not usable:
+        yield _check("schedulable", FAIL, "every GPU is drained or unreadable: no job can start",
+                     "see the gpuN checks above")
 
 
 def _mig(engine: Engine) -> Iterable[DoctorCheck]:

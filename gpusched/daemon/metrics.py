@@ -52,6 +52,9 @@ class EngineCollector:
     def __init__(self, engine: Engine, backend_name: str = "") -> None:
         self.engine = engine
         self.backend_name = backend_name
+        # GPU index -> its UUID when last seen: a GPU that falls off the bus leaves the inventory, and
+        # its series must turn 0, not vanish (an alert on `== 0` would never fire)
+        self._gpu_uuids: dict[int, str] = {}
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
@@ -119,6 +122,7 @@ class EngineCollector:
         inventory = self.engine.inventory
         devices: list[_Device] = []
         for gpu in inventory.gpus:
+            self._gpu_uuids[gpu.index] = gpu.uuid
             if gpu.mig_enabled:
                 devices.extend(_Device(str(gpu.index), i.uuid, "mig", i.profile, gpu.uuid)
                                for i in sorted(gpu.instances, key=lambda i: i.start))
@@ -149,6 +153,11 @@ class EngineCollector:
             if ok and callable(drain_reason):
                 ok = drain_reason(dev.uuid) is None and drain_reason(dev.gpu_uuid) is None
             healthy.add_metric(values, 1.0 if ok else 0.0)
+        seen = {gpu.index for gpu in inventory.gpus}
+        for index in sorted(set(inventory.errors) - seen):  # lost or unreadable: out of service, not gone
+            values = [str(index), self._gpu_uuids.get(index, ""), "gpu", ""]
+            alloc.add_metric(values, 0.0)
+            healthy.add_metric(values, 0.0)
         yield alloc
         yield healthy
 

@@ -8,10 +8,13 @@ node. The options are saved as OUT/export.json so relayout regenerates exactly t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,16 +93,27 @@ def write_export(result: GpusResult, opts: ExportOptions) -> list[gresconf.GresD
 
 
 def _update_block(path: str, node: str, body: str) -> None:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        text = ""
-    _write(Path(path), gresconf.replace_block(text, node, body))
+    """Rewrite `node`'s block of a file the nodes share: under an exclusive lock beside it, so two
+    nodes exporting at once do not each write back the file without the other's block."""
+    target = Path(path)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            text = target.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            text = ""
+        _write(target, gresconf.replace_block(text, node, body))
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
-    """Atomic replace: slurmd may read the file at any moment."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.chmod(tmp, mode)
-    tmp.replace(path)
+    """Atomic replace: slurmd may read the file at any moment (a temporary name of this writer's own)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

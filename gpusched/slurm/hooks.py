@@ -53,6 +53,9 @@ class JobRecord:
     warning: str | None = None  # the job is told, and runs on its GPUs all the same
 
 
+MAX_GRES_INDICES = 1024  # a node's GRES devices (MIG instances included) number in the tens
+
+
 def parse_indices(text: str) -> list[int]:
     """SLURM_JOB_GPUS: `0,2` or ranges `0-2,5`; ValueError naming the bad part."""
     out: list[int] = []
@@ -60,9 +63,14 @@ def parse_indices(text: str) -> list[int]:
         if not part:
             continue
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not lo.isdecimal() or (dash and not hi.isdecimal()):
             raise ValueError(f"SLURM_JOB_GPUS: {part!r} is not an index or a range")
+        if dash and (int(hi) < int(lo) or int(hi) - int(lo) >= MAX_GRES_INDICES):
+            # (an empty range would leave the job no CUDA_VISIBLE_DEVICES: every GPU of the node)
+            raise ValueError(f"SLURM_JOB_GPUS: {part!r} is not a range of at most {MAX_GRES_INDICES} indices")
         out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+        if len(out) > MAX_GRES_INDICES:
+            raise ValueError(f"SLURM_JOB_GPUS: more than {MAX_GRES_INDICES} indices")
     return out
 
 
@@ -126,9 +134,12 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
     job_id = env.get("SLURM_JOB_ID", "")
     if not _JOB_ID.match(job_id):
         raise ValueError(f"SLURM_JOB_ID {job_id!r} is not a job id; is this running as Slurm's Prolog?")
-    rec = JobRecord(job_id=job_id, uid=int(env.get("SLURM_JOB_UID", "-1") or -1))
+    uid_text = env.get("SLURM_JOB_UID", "") or "-1"
+    rec = JobRecord(job_id=job_id, uid=int(uid_text) if uid_text.lstrip("-").isdecimal() else -1)
     with _locked(cfg):
         try:
+            if rec.uid == -1 and uid_text != "-1":  # (a failing Prolog would drain the node: the job hears instead)
+                raise ValueError(f"SLURM_JOB_UID {uid_text!r} is not a uid")
             indices = parse_indices(env.get("SLURM_JOB_GPUS", ""))
             if indices:
                 devs = load_map(Path(cfg.map_path).read_text(encoding="utf-8"))

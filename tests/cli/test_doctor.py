@@ -44,3 +44,17 @@ def test_doctor_fails_on_a_socket_others_cannot_use(daemon: DaemonHandle) -> Non
     result = gs(daemon, "doctor")
     assert result.exit_code == 1
     assert "FAIL  socket" in result.stdout and f"chmod 0666 {daemon.socket}" in result.stdout
+
+
+def test_doctor_warns_of_drained_gpus_and_fails_when_none_is_left(daemon: DaemonHandle) -> None:
+    """Every GPU drained (one by an XID, one by hand) and doctor said all passed (operator audit)."""
+    from gpusched.protocol import SimInjectXidRequest, SimResult
+
+    with daemon.client() as c:
+        c.call(SimInjectXidRequest(gpu=0, xid=48), SimResult)
+    result = gs(daemon, "doctor")
+    assert result.exit_code == 0 and "WARN  gpu0.health  drained:" in result.stdout, result.stdout
+    assert gs(daemon, "gpus", "drain", "1", "--reason", "fan").exit_code == 0
+    result = gs(daemon, "doctor")
+    assert result.exit_code == 1, result.stdout
+    assert "drained by root: fan" in result.stdout and "FAIL  schedulable" in result.stdout

@@ -265,3 +265,17 @@ def _scrape_or_none(port: int) -> Samples | None:
         return scrape(port)
     except (OSError, urllib.error.URLError):
         return None
+
+
+def test_a_lost_gpu_keeps_a_device_healthy_series_at_0(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """A GPU that fell off the bus lost its series: `gpusched_device_healthy == 0` never fired."""
+    daemon = daemon_factory(metrics_address="127.0.0.1:0")
+    port = port_of(daemon)
+    uuid1 = {dict(ls)["gpu"]: dict(ls)["uuid"] for (n, ls), _ in scrape(port).items()
+             if n == "gpusched_device_healthy"}["1"]
+    with daemon.client() as c:
+        c.call(SimInjectXidRequest(gpu=1, xid=79, lost=True), SimResult)
+    samples = scrape_when(port, "gpusched_xid_total", 1.0, gpu="1", xid="79")
+    healthy = {dict(ls)["gpu"]: (dict(ls)["uuid"], v) for (n, ls), v in samples.items()
+               if n == "gpusched_device_healthy"}
+    assert healthy["1"] == (uuid1, 0.0) and healthy["0"][1] == 1.0, healthy

@@ -112,3 +112,28 @@ def test_device_files_are_character_devices_with_the_drivers_numbers(
     Path(created[0]).write_text("not a device")
     with pytest.raises(ValueError, match="not character device"):
         devfiles.make_device_files(devs, root)
+
+
+def test_a_node_whose_name_begins_another_keeps_its_own_block() -> None:
+    """n1's marker is a prefix of n10's: exporting n1 replaced n10's block in the shared file."""
+    text = gresconf.replace_block("", "n10", "NodeName=n10 Gres=gpu:a100-80gb:8")
+    text = gresconf.replace_block(text, "n1", "NodeName=n1 Gres=gpu:h100-80gb:2")
+    text = gresconf.replace_block(text, "n1", "NodeName=n1 Gres=gpu:h100-80gb:4")
+    assert gresconf.block_body(text, "n10") == "NodeName=n10 Gres=gpu:a100-80gb:8", text
+    assert gresconf.block_body(text, "n1") == "NodeName=n1 Gres=gpu:h100-80gb:4", text
+
+
+def test_export_warns_of_what_it_cannot_offer_and_refuses_a_bad_node_name(
+    daemon_factory: Callable[..., DaemonHandle],
+) -> None:
+    """Printing (no --out) dropped the gres/mps warning; any --node or --node-params was taken, a
+    newline included, which split the lines of gres.conf and of the root-run Prolog script."""
+    from tests.cli.test_commands import gs
+
+    handle = daemon_factory(sim="H100-80GB:2", gpus={"0": {"share": "mps"}, "1": {"mig": ["3g.40gb"]}})
+    printed = gs(handle, "slurm", "export", "--node", "n1", "--gres-mps")
+    assert printed.exit_code == 0, printed.output
+    assert "warning: not offered as gres/mps or gres/shard: GPU 0: Slurm cannot mix" in printed.stderr
+    for args in (["--node", "a b"], ["--node", "n1\nrm -rf /"], ["--node", "n1", "--node-params", "CPUs=8\nX=1"]):
+        refused = gs(handle, "slurm", "export", *args)
+        assert refused.exit_code == 2, (args, refused.output)

@@ -124,3 +124,18 @@ def test_slurm_job_gpus_is_parsed_strictly() -> None:
     assert hooks.parse_indices("0,2-4, 7") == [0, 2, 3, 4, 7]
     with pytest.raises(ValueError, match="SLURM_JOB_GPUS"):
         hooks.parse_indices("0,x")
+
+
+@pytest.mark.parametrize(("name", "value", "said"), [
+    ("SLURM_JOB_UID", "abc", "SLURM_JOB_UID 'abc' is not a uid"),
+    ("SLURM_JOB_GPUS", "2-1", "'2-1' is not a range"),  # reversed: it parsed as no GPU, so every GPU
+    ("SLURM_JOB_GPUS", "0-99999999", "'0-99999999' is not a range of at most 1024"),
+])
+def test_what_slurm_gives_the_prolog_that_does_not_parse_goes_to_the_job(
+    cfg: hooks.HookConfig, name: str, value: str, said: str,
+) -> None:
+    """A bad uid made the Prolog exit 2 (which drains the node); a reversed range left the job with
+    no CUDA_VISIBLE_DEVICES, that is with every GPU of the node (found by an operator audit)."""
+    assert hooks.run("prolog", cfg, {**env(31, "1"), name: value}) == 0
+    out = task_output(cfg, 31)
+    assert said in out and out.endswith("export CUDA_VISIBLE_DEVICES=\n"), out

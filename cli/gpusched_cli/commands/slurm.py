@@ -8,11 +8,12 @@ pay for it.
 from __future__ import annotations
 
 import os
+import re
 import socket as socket_module
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -53,13 +54,30 @@ def slurm() -> None:
     """Run this node's GPUs under Slurm (gpuschedd --mode slurm-node; see docs/slurm.md)."""
 
 
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a host name, as slurm.conf's NodeName
+
+
+def _node_flag(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not _NODE_NAME.match(value):
+        raise click.BadParameter(f"{value!r} is not a node name (letters, digits, '.', '_', '-'; at most 64)",
+                                 ctx, param)
+    return value
+
+
+def _node_params_flag(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if any(ch < " " or ch == "\x7f" for ch in value):  # a newline would start a line of its own in slurm.conf
+        raise click.BadParameter("must be one line, without control characters", ctx, param)
+    return value
+
+
 @slurm.command("export", short_help="Write the node's gres.conf, NodeName line, GRES map and hooks.")
-@click.option("--node", default=None, help="the node's NodeName in slurm.conf  [default: short host name]")
+@click.option("--node", default=None, callback=_node_flag,
+              help="the node's NodeName in slurm.conf  [default: short host name]")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="write gres.conf, slurm-node.conf, gres-map.json, billing.txt and hooks/ here; else print them")
 @click.option("--dev-root", default=None,
               help="where the device files are: /dev on real GPUs; with --sim, OUT/dev (created with mknod)")
-@click.option("--node-params", default="", metavar="TEXT",
+@click.option("--node-params", default="", metavar="TEXT", callback=_node_params_flag,
               help="other NodeName= parameters for the fragment, e.g. 'NodeAddr=10.0.0.5 CPUs=64 RealMemory=512000'")
 @click.option("--gres-conf", type=click.Path(dir_okay=False), default=None,
               help="also replace this node's block in this (shared) gres.conf")
@@ -98,6 +116,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     sim = result.backend == "sim"
     if out is None:
         devs = gresconf.devices(result, dev_root or "/dev", gres_mps, gres_shards)
+        _warn_mps_skipped(gresconf, result, devs, gres_mps or bool(gres_shards))
         click.echo(f"# gres.conf\n{gresconf.gres_conf(node, devs)}\n# slurm.conf\n"
                    f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}"
                    f"\n# billing (partition TRESBillingWeights terms)\n{gresconf.billing_weights(result)}\n", nl=False)
@@ -115,8 +134,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
         devs = export.write_export(result, opts)
     except (OSError, ValueError) as exc:
         _die(str(exc))
-    for why in gresconf.mps_skipped(result, devs) if gres_mps or gres_shards else []:
-        click.echo(f"warning: not offered as gres/mps or gres/shard: {why}", err=True)
+    _warn_mps_skipped(gresconf, result, devs, gres_mps or bool(gres_shards))
     click.echo(f"{node}: {len(devs)} GPU device(s) -> {out} (gres.conf, slurm-node.conf, gres-map.json, hooks/)")
     click.echo(gresconf.node_line(node, devs, node_params), nl=False)
 
@@ -180,6 +198,11 @@ def slurm_hook(kind: str, map_path: str, run_dir: str, job_mapping_dir: str | No
     cfg = hooks.HookConfig(map_path=map_path, run_dir=run_dir, job_mapping_dir=job_mapping_dir,
                            mps_control=mps_control)
     sys.exit(hooks.run(kind, cfg, os.environ))
+
+
+def _warn_mps_skipped(gresconf: Any, result: Any, devs: Any, asked: bool) -> None:
+    for why in gresconf.mps_skipped(result, devs) if asked else []:
+        click.echo(f"warning: not offered as gres/mps or gres/shard: {why}", err=True)
 
 
 @slurm.command("relayout", short_help="Change a node's MIG layout safely (drain, apply, resume).")
