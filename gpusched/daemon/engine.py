@@ -186,7 +186,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                 if ticked:
                     await self.refresh_inventory()
                     self._poll_adopted()
-                    self._check_suspended()
+                    await self._check_suspended()
                     for device in self.devices.tick(self.clock()):
                         log.info("device %s back in service after its quiet period", device)
                     await self._watch_gpu_memory()

@@ -138,19 +138,25 @@ class RecoveryMixin(EngineCore):
                       started_at=None, ended_at=None, exit_code=None, signal=None)
         self.wake()
 
-    def _check_suspended(self) -> None:
+    async def _check_suspended(self) -> None:
         """A SUSPENDED job's owner can SIGCONT it: a job that runs again is RUNNING, and its clock runs.
 
         Checked from /proc (every process of the job's session stopped, or dead) a moment after the
-        suspend, so the SIGSTOP has certainly landed.
+        suspend, so the SIGSTOP has certainly landed. The scan reads every process's stat, and a
+        user with a suspended job can start 100k processes: it runs off the loop (1.2 s a tick there).
         """
         now = self.clock()
         suspended = {j.pid: j for j in self.active_jobs() if j.state is JobState.SUSPENDED and j.pid
                      and j.id not in self._stops and now - j.history[-1].at >= SUSPEND_SETTLE_S
                      and j.id not in self.checkpoints.saved}
-        for sid, states in session_states(suspended).items():
-            if is_running(states):
-                self._set(suspended[sid], JobState.RUNNING, "continued by a signal gpusched did not send while "
+        if not suspended:
+            return
+        for sid, states in (await asyncio.to_thread(session_states, suspended)).items():
+            job = suspended[sid]
+            # (only if nothing happened to it while /proc was read: every change replaces the object)
+            if (is_running(states) and self.jobs.get(job.id) is job and job.id not in self._stops
+                    and job.id not in self.checkpoints.saved):
+                self._set(job, JobState.RUNNING, "continued by a signal gpusched did not send while "
                           "suspended; it runs again, and its time counts")
 
     def _enforce_time_limits(self) -> None:

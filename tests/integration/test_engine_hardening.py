@@ -296,6 +296,37 @@ def test_sigcont_while_suspended_runs_the_clock_again(daemon: DaemonHandle) -> N
         assert time.monotonic() - began < 3.0 + 2.0 + 5.0
 
 
+def test_the_scan_of_suspended_jobs_does_not_hold_the_loop(daemon: DaemonHandle,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a job is suspended each tick reads every /proc/*/stat, about 12 us a process: a user
+    with a suspended job and 100k processes made every tick take a second on the loop. The scan is
+    held here for 3 s, and the daemon must answer meanwhile (audit)."""
+    import threading
+
+    from gpusched.daemon import engine_recovery
+
+    real = engine_recovery.session_states
+    scanning, release = threading.Event(), threading.Event()
+
+    def slow_scan(sessions: Any) -> Any:
+        scanning.set()
+        release.wait(3)
+        return real(sessions)
+
+    with daemon.client() as c:
+        job_id = submit(c, spec("sleep", "60"))
+        wait_until(lambda: state_of(c, job_id) is JobState.RUNNING, what="running")
+        monkeypatch.setattr(engine_recovery, "session_states", slow_scan)
+        c.call(SuspendRequest(job_ids=[job_id]), JobsChanged)
+        assert scanning.wait(15), "no scan of the suspended job's session"
+        began = time.monotonic()
+        assert state_of(c, job_id) is JobState.SUSPENDED  # answered while the scan is held
+        took = time.monotonic() - began
+        release.set()
+        assert took < 1.0, f"the daemon answered after {took:.1f} s: the scan held the loop"
+        c.call(CancelRequest(job_ids=[job_id]), CancelResult)
+
+
 def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
