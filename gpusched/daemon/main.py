@@ -37,7 +37,7 @@ from gpusched.daemon.startup import scheduler_config as scheduler_config
 from gpusched.daemon.statelock import StateLock
 from gpusched.daemon.store import Store
 from gpusched.gcpause import LongLivedHeap
-from gpusched.gpu.backend import GpuBackend
+from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched.model import JobState
 from gpusched.protocol import ReloadResult
@@ -177,7 +177,12 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
         raise StartupError(str(exc)) from None
     if backend is None:
         backend, backend_name = open_gpu_backend(config)
-    check_gpu_configs(config, backend.inventory())  # ConfigError: what the file says this node cannot be
+    try:
+        inventory = backend.inventory()
+    except GpuError:
+        inventory = None  # the engine's start reports what the driver says (and logs a layout it cannot apply)
+    if inventory is not None:
+        check_gpu_configs(config, inventory)  # ConfigError: what the file says this node cannot be
     store = open_store(config)
     executor = Executor(config.state_dir, launcher=config.launcher)
     highest = executor.highest_job_id()
