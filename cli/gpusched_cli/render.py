@@ -177,7 +177,8 @@ def show_text(result: ShowResult | JSON, now: float, tz: tzinfo | None = None) -
             fields.append(("est. start", f"{format_time(start_at, tz)} "
                                          f"(in {format_duration(max(0.0, start_at - now))})"))
         elif state in WAITING_STATES:
-            # A job waiting for others (--after) is not in the scheduler's queue yet: it says so above.
+            # A job waiting for others (--after, an array's %MAX) is not in the scheduler's queue yet:
+            # it says so above.
             waits_for_others = (shown.get("waiting_reason") or "").startswith(("waiting for job ",
                                                                                  "waiting for array "))
             fields.append(("est. start", "unknown (once what it waits for has ended)" if waits_for_others

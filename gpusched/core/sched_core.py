@@ -223,6 +223,7 @@ class SchedulerCore:
     _demand: InteractiveDemand
     _interactive_pending: dict[int, float]
     _headroom: frozenset[str]
+    _reserved: frozenset[str]
     _budget: LossBudget
     _pinned: dict[int, frozenset[str]]
     _no_checkpoint: set[int]
@@ -328,7 +329,7 @@ class SchedulerCore:
     def _need(self, job: Job, cluster: Cluster) -> str:
         req = job.spec.request
         if isinstance(req, WholeRequest):
-            kept = sum(1 for u in self._headroom if (d := cluster.devices.get(u)) is not None
+            kept = sum(1 for u in self._reserved if (d := cluster.devices.get(u)) is not None
                        and d.kind == "gpu" and d.idle) if job.spec.job_class != "interactive" else 0
             note = f", {kept} of them kept for interactive work" if kept else ""
             return f"waiting for {req.gpus} whole GPU(s) ({cluster.idle_whole()} idle now{note})"

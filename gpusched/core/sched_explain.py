@@ -39,11 +39,12 @@ class ExplainMixin(ReservationMixin):
         for jid in order:
             job = self.queue.get(jid)
             assert job is not None
-            alloc = self._place(sim, job, frozenset())
+            # batch jobs stay off the devices kept for interactive work, as in the pass
+            alloc = self._place(sim, job, self._reserved)
             while alloc is None and ends:
                 t = max(t, ends[0][0])
                 sim.release(ends.pop(0)[1])
-                alloc = self._place(sim, job, frozenset())
+                alloc = self._place(sim, job, self._reserved)
             if alloc is None:
                 return None
             if jid == job_id:

@@ -142,6 +142,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, P
         self._demand = InteractiveDemand(self.config.interactive_window_s)
         self._interactive_pending: dict[int, float] = {}  # pending interactive job -> GPUs' worth
         self._headroom: frozenset[str] = frozenset()
+        self._reserved: frozenset[str] = frozenset()  # the last pass's devices for interactive work only
         self._budget = LossBudget(self.config.preempt_budget_gpu_s)
         self._pinned: dict[int, frozenset[str]] = {}  # checkpointed job -> the devices it resumes on
         self._no_checkpoint: set[int] = set()  # running jobs the engine could not checkpoint
@@ -216,6 +217,7 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, P
         cluster = self._cluster_for(snapshot)
         actions.extend(self._resume_yielded(cluster, snapshot.yielded))
         reserved = snapshot.reserved_interactive | self._plan_headroom(cluster, snapshot, now)
+        self._reserved = reserved  # (what `expected_start` and `_need` must keep batch jobs off too)
         self._reservation = None
         self._reserve_args = None
         self._refit = None

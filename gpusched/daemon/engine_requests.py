@@ -243,6 +243,10 @@ class RequestsMixin(EngineCore):
         if unmet:
             return "waiting for " + ", ".join(
                 f"{self._dependency_name(d)} to {'complete' if d.condition == 'ok' else 'end'}" for d in unmet)
+        info = self.arrays.by_id.get(job.array_id) if job.array_id is not None else None
+        if info is not None and job.id in info.waiting:  # the scheduler has not got it yet
+            return (f"waiting for array {info.id}'s %{info.max_running}: {len(info.admitted)} of its tasks are "
+                    "queued or running; it is handed over when one of them ends")
         explain = getattr(self.scheduler, "explain", None)
         if callable(explain):
             return str(explain(job.id))

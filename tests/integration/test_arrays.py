@@ -18,6 +18,8 @@ from click.testing import CliRunner, Result
 
 from gpusched.model import ACTIVE_STATES, JobSpec, JobState, WholeRequest
 from gpusched.protocol import (
+    CancelRequest,
+    CancelResult,
     QueueRequest,
     QueueResult,
     ShowRequest,
@@ -396,3 +398,20 @@ def test_wait_takes_an_array_task_and_exits_with_its_status(node: DaemonHandle) 
     whole = gs(node, "wait", str(array_id))  # an array is not one job: the error says how to name a task
     assert whole.exit_code == 4 and f"{array_id}_1" in whole.stderr
     assert gs(node, "wait", f"{array_id}_9").exit_code == 4
+
+
+def test_show_of_a_task_held_back_by_the_arrays_max_says_so(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """`show` said "job N is not pending" and blamed a MIG change, for a PENDING task the scheduler had
+    not got yet because of its array's %MAX (scheduling audit)."""
+    node = daemon_factory(sim="H100-80GB:2")
+    spec = JobSpec(argv=["sleep", "30"], cwd="/tmp", request=WholeRequest(gpus=1))
+    with node.client() as c:
+        made = c.call(SubmitRequest(spec=spec, array="0-3%1"), SubmitResult)
+        first, second = made.job_id + 1, made.job_id + 2
+        wait_until(lambda: c.call(ShowRequest(job_id=first), ShowResult).job.state is JobState.RUNNING,
+                   what="the first task to run")
+        shown = c.call(ShowRequest(job_id=second), ShowResult)
+        c.call(CancelRequest(job_ids=[made.job_id]), CancelResult)
+    assert shown.job.state is JobState.PENDING
+    assert shown.waiting_reason == (f"waiting for array {made.job_id}'s %1: 1 of its tasks are queued or running; "
+                                    "it is handed over when one of them ends"), shown.waiting_reason

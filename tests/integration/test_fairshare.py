@@ -197,6 +197,23 @@ def test_show_gives_the_estimate_and_expected_start(daemon: DaemonHandle) -> Non
         c.call(CancelRequest(job_ids=[blocker, waiting]), CancelResult)
 
 
+def test_a_batch_jobs_expected_start_leaves_out_interactive_only_gpus(daemon_factory: Any) -> None:
+    """`show` gave "now" for a batch job that could only wait: the expected start counted the idle
+    interactive-only GPU as free, and "(1 idle now)" did not say it was kept (scheduling audit)."""
+    node = daemon_factory(sim="H100-80GB:2", gpus={"1": GpuConfig(interactive=True)})
+    with node.client() as c:
+        first = submit(c, spec("sleep", "60"))
+        wait_until(lambda: state_of(c, first) is JobState.RUNNING, what="the first job running")
+        second = submit(c, spec("sleep", "60"))
+        shown = wait_until(lambda: (s := c.call(ShowRequest(job_id=second), ShowResult)).estimate and s,
+                           what="an estimate for the second job")
+        end_first = c.call(ShowRequest(job_id=first), ShowResult).estimate
+        c.call(CancelRequest(job_ids=[first, second]), CancelResult)
+    assert shown.job.state is JobState.PENDING and end_first is not None
+    assert shown.estimate.expected_start_at == pytest.approx(end_first.expected_end_at, abs=1.0)
+    assert "(1 idle now, 1 of them kept for interactive work)" in (shown.waiting_reason or ""), shown.waiting_reason
+
+
 def _spec_msg(argv: list[str], request: Any, **fields: Any) -> dict[str, Any]:
     s = JobSpec(argv=argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, request=request, **fields)
     return {"op": "submit", "spec": s.model_dump(mode="json")}
