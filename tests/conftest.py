@@ -198,13 +198,20 @@ class DaemonProcess:
         self.write_config(self.extra_config)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
-             "--socket", self.socket, "--state-dir", self.state_dir, *extra],
-            stdout=log, stderr=log, start_new_session=True,
+            [*self.program(), "--config", config, "--sim", self.sim, "--socket", self.socket, "--state-dir",
+             self.state_dir, *extra],
+            stdout=log, stderr=log, start_new_session=True, env=self.environment(),
         )
         log.close()
         wait_until(self._answers, timeout=30, what=f"gpuschedd on {self.socket}")
         return self
+
+    def program(self) -> list[str]:
+        """How gpuschedd is run (a test may run it under a wrapper)."""
+        return [sys.executable, "-m", "gpusched.daemon.main"]
+
+    def environment(self) -> dict[str, str] | None:
+        return None  # this process's
 
     def write_config(self, extra: str) -> None:
         """The generated config (tests run as root: let root submit, keep times short) plus `extra`."""
@@ -240,9 +247,9 @@ class DaemonProcess:
 def daemon_process() -> Iterator[Callable[..., DaemonProcess]]:
     made: list[DaemonProcess] = []
 
-    def make(sim: str = "H100-80GB:2") -> DaemonProcess:
+    def make(sim: str = "H100-80GB:2", cls: type[DaemonProcess] = DaemonProcess) -> DaemonProcess:
         base = short_tmpdir()
-        proc = DaemonProcess(os.path.join(base, "g.sock"), os.path.join(base, "state"), sim)
+        proc = cls(os.path.join(base, "g.sock"), os.path.join(base, "state"), sim)
         made.append(proc)
         return proc
 

@@ -8,7 +8,7 @@ the moment a job became runnable (submitted, released, requeued) to the moment i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpusched.model import ACTIVE_STATES, Job, JobState
@@ -43,20 +43,25 @@ class Wait:
         return self.started_at - self.runnable_at
 
 
-def active_intervals(job: Job, now: float) -> list[tuple[float, float]]:
-    """[start, end) spans during which the job held its devices (STARTING, RUNNING, SUSPENDED)."""
-    spans: list[tuple[float, float]] = []
+def state_spans(job: Job, states: Collection[JobState]) -> list[tuple[float, float | None]]:
+    """[start, end) spans of the job's history spent in `states`; end None: it is in them still."""
+    spans: list[tuple[float, float | None]] = []
     since: float | None = None
     for t in job.history:
-        if t.state in ACTIVE_STATES:
+        if t.state in states:
             if since is None:
                 since = t.at
         elif since is not None:
             spans.append((since, t.at))
             since = None
     if since is not None:
-        spans.append((since, now))
+        spans.append((since, None))
     return spans
+
+
+def active_intervals(job: Job, now: float) -> list[tuple[float, float]]:
+    """[start, end) spans during which the job held its devices (STARTING, RUNNING, SUSPENDED)."""
+    return [(start, now if end is None else end) for start, end in state_spans(job, ACTIVE_STATES)]
 
 
 def waits(job: Job) -> list[Wait]:
@@ -156,14 +161,6 @@ _WORK = frozenset({JobState.PENDING, JobState.STARTING, JobState.RUNNING, JobSta
 def _touches(job: Job, since: float, now: float) -> bool:
     """Was the job work during [since, now]: pending (runnable) or holding devices? A job that was
     only held (`submit --hold`, then cancelled) asked for nothing, and its user is entitled to no
-    share for it."""
-    began: float | None = None
-    for t in job.history:
-        if t.state in _WORK:
-            if began is None:
-                began = t.at
-        elif began is not None:
-            if t.at > began and began <= now and t.at >= since:
-                return True
-            began = None
-    return began is not None and began <= now
+    share for it (the instant between its PENDING and HELD is no work either)."""
+    return any(start <= now and (end is None or (end > start and end >= since))
+               for start, end in state_spans(job, _WORK))

@@ -21,6 +21,7 @@ import pytest
 
 from gpusched.protocol import MAX_FRAME, PROTOCOL_VERSION, encode_frame
 from tests.conftest import DaemonHandle, wait_until
+from tests.integration.test_daemon import _read
 from tests.integration.test_identity import as_user
 
 UID = 23457
@@ -53,17 +54,6 @@ def _raw(sock_path: str, *bodies: bytes, timeout: float = 20) -> list[dict[str, 
         out.append(json.loads(data[4 : 4 + n]))
         data = data[4 + n :]
     return out[1:]
-
-
-def _read_one(s: socket.socket) -> dict[str, Any]:
-    def exactly(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "connection closed"
-            buf += chunk
-        return buf
-    return json.loads(exactly(struct.unpack(">I", exactly(4))[0]))
 
 
 def _timed_root(handle: DaemonHandle, message: dict[str, Any]) -> float:
@@ -216,9 +206,9 @@ def test_a_connection_that_never_says_hello_is_closed(daemon: DaemonHandle) -> N
         try:
             for _ in range(8):  # one non-hello request every 3 s: 24 s, if nobody closes it
                 s.sendall(encode_frame({"op": "queue"}))
-                replies.append(_read_one(s))
+                replies.append(_read(s))
                 time.sleep(3)
-            replies.append(_read_one(s))
+            replies.append(_read(s))
         except (AssertionError, ConnectionError, TimeoutError):
             pass  # closed
     took = time.monotonic() - began
@@ -242,13 +232,13 @@ def test_hold_release_cycles_cannot_make_a_job_unshowable(daemon: DaemonHandle) 
         s.settimeout(60)
         s.connect(daemon.socket)
         s.sendall(encode_frame({"op": "hello", "version": PROTOCOL_VERSION}))
-        _read_one(s)
+        _read(s)
         last: dict[str, Any] = {}
         for start in range(0, 3_000, 200):  # pipelined, 200 at a time
             s.sendall(b"".join(encode_frame({"op": "release" if i % 2 == 0 else "hold", "job_ids": [job_id]})
                                for i in range(start, start + 200)))
             for _ in range(200):
-                last = _read_one(s)
+                last = _read(s)
     with daemon.client() as c:
         shown = c.raw_call({"op": "show", "job_id": job_id})
         waited = c.raw_call({"op": "wait", "job_id": job_id, "timeout_s": 0})

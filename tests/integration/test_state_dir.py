@@ -8,7 +8,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from gpusched.protocol import (
     SubmitResult,
 )
 from gpusched_cli.client import Client
-from tests.conftest import DaemonHandle, DaemonProcess, kill_job_processes, short_tmpdir, wait_until
+from tests.conftest import DaemonHandle, DaemonProcess, short_tmpdir, wait_until
 
 CRASHPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crashpoint.py")
 
@@ -49,18 +49,11 @@ class CrashingDaemon(DaemonProcess):
 
     crash_at: str = ""
 
-    def start(self, *extra: str) -> CrashingDaemon:
-        if not self.crash_at:
-            super().start(*extra)
-            return self
-        self.log_path = os.path.join(os.path.dirname(self.socket), "daemon.log")
-        self.write_config(self.extra_config)
-        argv = [sys.executable, CRASHPOINT, *gpuschedd(self.config_path, self.sim, self.socket, self.state_dir)[3:]]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
-                                         env={**os.environ, "CRASH_AT": self.crash_at})
-        wait_until(self._answers, timeout=30, what=f"gpuschedd on {self.socket}")
-        return self
+    def program(self) -> list[str]:
+        return [sys.executable, CRASHPOINT] if self.crash_at else super().program()
+
+    def environment(self) -> dict[str, str] | None:
+        return {**os.environ, "CRASH_AT": self.crash_at} if self.crash_at else None
 
     def killed_at_its_crash_point(self) -> bool:
         assert self.proc is not None
@@ -68,25 +61,6 @@ class CrashingDaemon(DaemonProcess):
             return self.proc.wait(20) == -9
         except subprocess.TimeoutExpired:
             return False
-
-
-@pytest.fixture
-def crashing() -> Iterator[Callable[[], CrashingDaemon]]:
-    made: list[CrashingDaemon] = []
-
-    def make() -> CrashingDaemon:
-        base = short_tmpdir()
-        proc = CrashingDaemon(os.path.join(base, "g.sock"), os.path.join(base, "state"), "H100-80GB:2")
-        made.append(proc)
-        return proc
-
-    yield make
-    for proc in made:
-        if proc.proc is not None and proc.proc.poll() is None:
-            proc.proc.kill()
-            proc.proc.wait(10)
-        kill_job_processes(proc.state_dir)
-        shutil.rmtree(os.path.dirname(proc.socket), ignore_errors=True)
 
 
 def show(socket: str, job_id: int) -> ShowResult:
@@ -143,11 +117,12 @@ def test_a_damaged_database_is_refused_with_a_message_not_a_traceback(tmp_path: 
 
 @pytest.mark.parametrize(("crash_at", "final"), [("CANCELLED", JobState.CANCELLED), ("TIMEOUT", JobState.TIMEOUT)])
 def test_a_crash_as_a_stopped_job_ends_keeps_why_it_was_stopped(
-    crashing: Callable[[], CrashingDaemon], crash_at: str, final: JobState,
+    daemon_process: Callable[..., DaemonProcess], crash_at: str, final: JobState,
 ) -> None:
     """The stop request was erased (and committed) before the end was: a kill -9 in between left a
     job dead with no reason, and the restart ended an acknowledged cancel, or a time limit, FAILED."""
-    d = crashing()
+    d = daemon_process(cls=CrashingDaemon)
+    assert isinstance(d, CrashingDaemon)
     d.crash_at = crash_at
     d.start()
     with Client(d.socket) as c:
