@@ -104,21 +104,15 @@ class SubmitRequest(_Req):
 
     @field_validator("spec")
     @classmethod
-    def _text_only(cls, spec: JobSpec) -> JobSpec:
-        # JSON carries lone surrogates ("\udcff") that no file, process or database takes as text:
-        # refused here, not met as an internal error when the job is written
+    def _submittable(cls, spec: JobSpec) -> JobSpec:
+        # On submit only (stored jobs still load). JSON carries lone surrogates ("\udcff") that no
+        # file, process or database takes as text: refused here, not an internal error at the write.
         for what, values in (("argv", spec.argv), ("env", [f"{k}={v}" for k, v in spec.env.items()])):
             try:
                 "\0".join(values).encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError(f"{what} holds text that is not valid Unicode (a lone surrogate)") from None
-        return spec
-
-    @field_validator("spec")
-    @classmethod
-    def _share_step(cls, spec: JobSpec) -> JobSpec:
-        # MPS caps a client's SMs in whole percent (launch.py): a smaller share would get 1 % and be
-        # charged its own tiny fraction. Checked on submit only, so jobs stored before still load.
+        # MPS caps SMs in whole percent (launch.py): a smaller share got 1 %, charged its tiny fraction
         if isinstance(spec.request, ShareRequest) and spec.request.fraction < MIN_SHARE:
             raise ValueError(f"request.fraction {spec.request.fraction:g} is below {MIN_SHARE:g}: a share is at least "
                              f"1% of a GPU (MPS caps a client's SMs in whole percent)")

@@ -260,19 +260,6 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
                        if j is None or j.state is not JobState.SUSPENDED]:
             self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down
 
-    def _fail_broken_dependencies(self) -> None:
-        waiting = [self.jobs[i] for i in sorted(self._awaiting_deps) if i in self.jobs]
-        held = [self.jobs[i] for i in sorted(self._held_with_deps) if i in self.jobs]
-        for job in waiting + held if self._incremental else list(self.jobs.values()):
-            if job.state not in (JobState.PENDING, JobState.HELD):
-                continue
-            for dep in job.spec.after:
-                if self._dependency_status(dep) is False:
-                    final = self._final_states.get(dep.job_id, "unknown")
-                    self._set(job, JobState.FAILED, f"dependency can never be met: {self._dependency_name(dep)} "
-                              f"ended {final}, needed COMPLETED", ended_at=self.clock())
-                    break
-
     async def _pass(self) -> None:
         self.passes += 1
         began = time.perf_counter()

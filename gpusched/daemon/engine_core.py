@@ -185,6 +185,19 @@ class EngineCore:
             elif self._ready(job):
                 self._enqueue(job)
 
+    def _fail_broken_dependencies(self) -> None:
+        waiting = [self.jobs[i] for i in sorted(self._awaiting_deps) if i in self.jobs]
+        held = [self.jobs[i] for i in sorted(self._held_with_deps) if i in self.jobs]
+        for job in waiting + held if self._incremental else list(self.jobs.values()):
+            if job.state not in (JobState.PENDING, JobState.HELD):
+                continue
+            for dep in job.spec.after:
+                if self._dependency_status(dep) is False:
+                    final = self._final_states.get(dep.job_id, "unknown")
+                    self._set(job, JobState.FAILED, f"dependency can never be met: {self._dependency_name(dep)} "
+                              f"ended {final}, needed COMPLETED", ended_at=self.clock())
+                    break
+
     def _request_stop(self, job: Job, stop: StopRequest) -> None:
         """SIGTERM the job's process group now, SIGKILL after the grace period."""
         if job.id in self._kill_timers:
