@@ -31,6 +31,7 @@ from gpusched.daemon.cgroups import CgroupManager
 from gpusched.daemon.checkpointing import Checkpoints
 from gpusched.daemon.counters import Metrics
 from gpusched.daemon.devices import DeviceManager
+from gpusched.daemon.engine_batch import BatchMixin
 from gpusched.daemon.engine_devices import DevicesMixin
 from gpusched.daemon.engine_preempt import PreemptionMixin
 from gpusched.daemon.engine_recovery import RecoveryMixin, _load_ids, _load_stops
@@ -57,7 +58,7 @@ _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at 
 log = logging.getLogger("gpusched.engine")
 
 
-class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
+class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchMixin):
     """Owns job state transitions; wakes on events and on a tick. Its parts: engine_core (state and
     bookkeeping), engine_requests, engine_devices, engine_preempt, engine_recovery; here: start, stop,
     and the pass."""
@@ -336,13 +337,16 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin):
         now = self.clock()
         self.metrics.observe_wait(now - pending_since(job))
         try:
-            added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
-                action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
-        except GpuError as exc:
-            self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
-            return
-        allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
-        job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
+            try:
+                added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
+                    action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
+            except GpuError as exc:
+                self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
+                return
+            allocation = action.allocation.model_copy(update={"env": added})  # `show` lists what the job got
+            job = self._set(job, JobState.STARTING, action.reason, allocation=allocation, started_at=now)
+        finally:
+            self.launcher.mps_started(action.allocation, job.uid)  # active now (or not starting at all)
         self._spawn(self._launch(job, allocation, added))
 
     async def _launch(self, job: Job, allocation: Allocation, added: dict[str, str]) -> None:

@@ -11,8 +11,7 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from gpusched.config import DaemonConfig
@@ -248,7 +247,8 @@ class EngineCore:
         job = ended if ended is not None else self.jobs.get(job_id)
         if job is not None:
             for uuid in self.launcher.idle_mps(job, self.active_jobs()):
-                self._spawn(self.launcher.stop_mps(uuid, job.uid))  # a later share restarts it
+                # (a later share restarts it; one starting meanwhile keeps it: _mps_still_idle)
+                self._spawn(self.launcher.stop_mps(uuid, job.uid, self._mps_still_idle(uuid, job.uid, job.id)))
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()
@@ -260,42 +260,16 @@ class EngineCore:
                 log.warning("job %d: cgroup %s still has processes; left in place", job_id,
                             self.cgroups.job_path(job_id))
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """`store.batch()` for many jobs' changes (cancel, hold, ... of an array), and if its COMMIT
-        fails (a full disk), every job changed in it goes back in memory to what the store still
-        says: the request is answered with an error, so nothing of it may stay applied."""
-        if self.store.batching or self._batch_log is not None:
-            yield
-            return
-        changed: dict[int, tuple[Job, Job]] = {}
-        self._batch_log = changed
-        failed_inside: BaseException | None = None
-        try:
-            with self.store.batch():
-                try:
-                    yield
-                except BaseException as exc:  # the changes made before it still commit
-                    failed_inside = exc
-                    raise
-        except BaseException as exc:
-            if exc is not failed_inside:  # the COMMIT itself failed: none of the batch is stored
-                self._batch_log = None
-                self._revert(changed)
-            raise
-        finally:
-            self._batch_log = None
-
-    def _revert(self, changed: dict[int, tuple[Job, Job]]) -> None:
-        for before, after in reversed(list(changed.values())):
-            try:
-                log.warning("job %d: back to %s (its change to %s was not committed)", before.id, before.state,
-                            after.state)
-                self._follow(after, before)
-                if after.state is JobState.SUSPENDED and before.state is JobState.RUNNING and before.pid:
-                    self.executor.signal(before.pid, signal.SIGCONT)  # its SIGSTOP stands for nothing now
-            except Exception:
-                log.exception("job %d: could not go back to its stored state", before.id)
+    def _mps_still_idle(self, uuid: str, uid: int, ended: int) -> Callable[[], bool]:
+        """Asked from the stop's worker thread, with that control daemon's starts held off: does no
+        share of `uid` on `uuid` run, or start, now? (a tuple of the ids: the loop may change the dict)"""
+        def idle() -> bool:
+            if self.launcher.mps_starting.get((uuid, uid)):
+                return False
+            jobs = [self.jobs.get(i) for i in tuple(self._active) if i != ended]
+            return not any(j is not None and j.uid == uid and j.allocation is not None and uuid in j.allocation.uuids
+                           for j in jobs)
+        return idle
 
     def _set(self, job: Job, state: JobState, reason: str, *, at: float | None = None, **fields: object) -> Job:
         """Commit a transition (at `at`, for one that happened earlier than now), then keep every index current."""

@@ -10,6 +10,7 @@ job, its allocation and the node, so each can be read and tested on its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pwd
@@ -41,6 +42,19 @@ class Launcher:
         self.cgroups = cgroups
         self.mps = MpsManager(os.path.join(config.state_dir, "mps"), control_binary=mps_control_binary(config))
         self.in_flight: set[int] = set()  # jobs whose launch has begun and not yet returned
+        # (device, uid) -> shares between share_env and their STARTING: a stop of that user's control
+        # daemon there, decided when their last share ended, must keep it for them (mps_idle)
+        self.mps_starting: dict[tuple[str, int], int] = {}
+
+    def mps_started(self, allocation: Allocation, uid: int) -> None:
+        """The share whose control daemon share_env ensured is now recorded (or failed)."""
+        if allocation.share is not None and len(allocation.devices) == 1:
+            key = (allocation.devices[0].uuid, uid)
+            left = self.mps_starting.get(key, 0) - 1
+            if left > 0:
+                self.mps_starting[key] = left
+            else:
+                self.mps_starting.pop(key, None)
 
     async def share_env(self, allocation: Allocation, share_modes: dict[str, str], uid: int) -> dict[str, str]:
         """For a share on an `mps` device: start (or reuse) the user's control daemon there and give
@@ -52,6 +66,8 @@ class Launcher:
         uuid = allocation.devices[0].uuid
         if share_modes.get(uuid) != "mps":
             return {}
+        key = (uuid, uid)
+        self.mps_starting[key] = self.mps_starting.get(key, 0) + 1  # the caller calls mps_started() after
         daemon = await asyncio.to_thread(self.mps.ensure, uuid, uid)
         percent = max(1, min(100, round(allocation.share * 100)))
         return daemon.client_env(percent, allocation.gpu_mem_mib)
@@ -82,9 +98,9 @@ class Launcher:
                 j.id != ended.id and j.uid == ended.uid and j.state in ACTIVE_STATES and j.allocation is not None
                 and uuid in j.allocation.uuids for j in active)]
 
-    async def stop_mps(self, uuid: str, uid: int | None) -> None:
+    async def stop_mps(self, uuid: str, uid: int | None, still_idle: Callable[[], bool] | None = None) -> None:
         try:
-            await asyncio.to_thread(self.mps.stop, uuid, uid)
+            await asyncio.to_thread(functools.partial(self.mps.stop, uuid, uid, still_idle=still_idle))
         except GpuError as exc:
             log.warning("stopping the MPS control daemon of %s (uid %s): %s", uuid, uid, exc.message)
 
@@ -149,7 +165,12 @@ def cpu_and_memory_limits(job: Job, allocation: Allocation, inventory: Inventory
     pool = tuple(sorted(near & usable or usable))
     if cgroups is not None:
         mem = job.spec.mem_mib * 2**20 if job.spec.mem_mib else None
-        return cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=pool)), ()
+        cgroup = cgroups.create(job.id, JobLimits(cpus=job.spec.cpus, mem_bytes=mem, cpuset=pool))
+        if {"cpu", "cpuset"} & set(cgroups.controllers):
+            return cgroup, ()
+        # a cgroup without the CPU controllers (the parent does not delegate them) limits no CPU:
+        # the job is pinned as without a cgroup, as the user guide says
+        return cgroup, pool[: job.spec.cpus] if job.spec.cpus else pool
     # No cgroup: pin to CPUs near the GPU, and to at most --cpus of them (memory is not enforced).
     return None, pool[: job.spec.cpus] if job.spec.cpus else pool
 

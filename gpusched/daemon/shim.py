@@ -122,7 +122,7 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
             stage = f"join cgroup {launch['cgroup']}"
             with open(os.path.join(launch["cgroup"], "cgroup.procs"), "w") as procs:
                 procs.write(str(os.getpid()))
-        elif launch.get("cpuset"):
+        if launch.get("cpuset"):  # (without a cgroup, or one without the CPU controllers)
             stage = "set CPU affinity"
             os.sched_setaffinity(0, launch["cpuset"])
         if launch.get("drop_privileges"):

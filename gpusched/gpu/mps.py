@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpusched.gpu.backend import GpuBusyError, GpuError
@@ -264,6 +265,13 @@ class MpsManager:
         self.timeout_s = timeout_s
         self._daemons: dict[tuple[str, int | None], MpsDaemon] = {}
         self._lock = threading.Lock()
+        # One start or stop at a time per (device, uid): a stop still waiting for its daemon to quit
+        # made a start beside it find the quitting daemon "running", and the share ran with none.
+        self._key_locks: dict[tuple[str, int | None], threading.Lock] = {}
+
+    def _key_lock(self, device: str, uid: int | None) -> threading.Lock:
+        with self._lock:
+            return self._key_locks.setdefault((device, uid), threading.Lock())
 
     def daemon(self, device: str, uid: int | None = None) -> MpsDaemon:
         """The (possibly not yet started) daemon for a device (and user)."""
@@ -279,15 +287,21 @@ class MpsManager:
         self, device: str, uid: int | None = None, *, default_thread_percentage: int | None = None,
         pinned_mem_limit_mib: int | None = None,
     ) -> MpsDaemon:
-        d = self.daemon(device, uid)
-        d.start(default_thread_percentage=default_thread_percentage, pinned_mem_limit_mib=pinned_mem_limit_mib)
-        return d
+        with self._key_lock(device, uid):
+            d = self.daemon(device, uid)
+            d.start(default_thread_percentage=default_thread_percentage, pinned_mem_limit_mib=pinned_mem_limit_mib)
+            return d
 
-    def stop(self, device: str, uid: int | None = None) -> None:
-        with self._lock:
-            d = self._daemons.pop((device, uid), None)
-        if d is not None:
-            d.stop()
+    def stop(self, device: str, uid: int | None = None, *, still_idle: Callable[[], bool] | None = None) -> None:
+        """Quit the daemon; with `still_idle`, only if it still says so once no start is under way
+        (a share starting for the same user and device meanwhile keeps it)."""
+        with self._key_lock(device, uid):
+            if still_idle is not None and not still_idle():
+                return
+            with self._lock:
+                d = self._daemons.pop((device, uid), None)
+            if d is not None:
+                d.stop()
 
     def stop_all(self) -> list[GpuError]:
         """Stop every daemon; returns the errors instead of stopping at the first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,19 @@ def test_daemon_puts_each_job_in_its_own_cgroup(daemon_factory: Any, tmp_path: P
 def _running(c: Client, job_id: int) -> Job | None:
     job = c.call(ShowRequest(job_id=job_id), ShowResult).job
     return job if job.state is JobState.RUNNING else None
+
+
+def test_a_cgroup_still_busy_after_the_kill_is_left_for_later_not_raised(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after cgroup.kill, real cgroupfs answers rmdir with EBUSY while the killed tasks exit
+    (cgroup.procs already hides them): remove() raised it into the job's end, so a preempted job
+    was never requeued (isolation audit). It says False now, as for a cgroup with processes left."""
+    manager = CgroupManager(str(fake_cgroupfs(tmp_path / "gpusched.service")))
+    manager.setup(daemon_pid=1)
+    manager.create(7, JobLimits(cpus=1))
+
+    def busy(path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    assert manager.remove(7) is False
