@@ -8,7 +8,7 @@ import subprocess
 
 from gpusched.daemon.devices import simulator_of
 from tests.cli.test_commands import gs
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, wait_until
 
 
 def test_doctor_reports_each_check_with_hints(daemon: DaemonHandle) -> None:
@@ -52,6 +52,8 @@ def test_doctor_warns_of_drained_gpus_and_fails_when_none_is_left(daemon: Daemon
 
     with daemon.client() as c:
         c.call(SimInjectXidRequest(gpu=0, xid=48), SimResult)
+    # the XID reaches the engine through the device watcher: the drain follows, not at once
+    wait_until(lambda: "health drained" in gs(daemon, "gpus").stdout, what="GPU 0 drained by the XID")
     result = gs(daemon, "doctor")
     assert result.exit_code == 0 and "WARN  gpu0.health  drained:" in result.stdout, result.stdout
     assert gs(daemon, "gpus", "drain", "1", "--reason", "fan").exit_code == 0
