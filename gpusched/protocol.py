@@ -270,7 +270,8 @@ class SimInjectXidRequest(_Req):
 
 class WatchRequest(_Req):
     """Stream TopSnapshot frames: one now, then one whenever something changes (at most
-    `max_rate_hz` a second, and at least every 2 s so runtimes tick), until the client hangs up."""
+    `max_rate_hz` a second), and at least every max(2 s, 1 / max_rate_hz) so runtimes tick, until
+    the client hangs up."""
 
     op: Literal["watch"] = "watch"
     max_rate_hz: float = Field(default=4.0, ge=0.1, le=20.0)

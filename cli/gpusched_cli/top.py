@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import tzinfo
 
-from gpusched.protocol import GpuInfo, GpusResult, TopJob, TopSnapshot, WatchRequest
-from gpusched_cli.client import Client
+from gpusched.protocol import GpuInfo, GpusResult, ProtocolError, TopJob, TopSnapshot, WatchRequest
+from gpusched_cli.client import Client, DaemonUnavailable
 from gpusched_cli.render import device_labels, format_duration, format_mib, format_time, printable, table
 
 SORTS = ("id", "user", "runtime", "memory")
@@ -153,11 +153,17 @@ def run_live(client: Client) -> None:
             frames.put(exc)
 
     threading.Thread(target=receive, name="gpusched-top-frames", daemon=True).start()
-    curses.wrapper(_screen, frames)
+    ended = curses.wrapper(_screen, frames)
+    if ended is not None:  # raised with the terminal restored: the CLI maps it to its exit code (3)
+        if isinstance(ended, (ConnectionError, TimeoutError, DaemonUnavailable, ProtocolError)):
+            raise ended
+        raise DaemonUnavailable(f"the connection to the daemon ended: {ended}", "try again in a moment")
 
 
-def _screen(stdscr: curses.window, frames: queue.Queue[TopSnapshot | BaseException]) -> None:
-    curses.curs_set(0)
+def _screen(stdscr: curses.window, frames: queue.Queue[TopSnapshot | BaseException]) -> BaseException | None:
+    """Draw until `q` (None) or until the stream ends (what ended it, to raise once curses is gone)."""
+    with contextlib.suppress(curses.error):  # (a terminal without a cursor to hide)
+        curses.curs_set(0)
     stdscr.timeout(100)
     view, snap = View(), None
     while True:
@@ -165,12 +171,12 @@ def _screen(stdscr: curses.window, frames: queue.Queue[TopSnapshot | BaseExcepti
             while True:
                 item = frames.get_nowait()
                 if isinstance(item, BaseException):
-                    raise SystemExit(f"gpusched top: connection to the daemon ended: {item}")
+                    return item
                 if not view.paused:
                     snap = item
         key = stdscr.getch()
         if key in (ord("q"), ord("Q")):
-            return
+            return None
         if key == ord("s"):
             view.sort = SORTS[(SORTS.index(view.sort) + 1) % len(SORTS)]
         elif key == ord("p"):
@@ -182,15 +188,22 @@ def _screen(stdscr: curses.window, frames: queue.Queue[TopSnapshot | BaseExcepti
 
 
 def _prompt(stdscr: curses.window, label: str) -> str:
-    height, _ = stdscr.getmaxyx()
+    """Read a line on the bottom row; a window too narrow for the label gets a shorter one, and one
+    too small for any gives up (empty: the filter is cleared) instead of a curses error."""
+    height, width = stdscr.getmaxyx()
+    label = label if len(label) < width - 8 else "user: "
     stdscr.timeout(-1)
     curses.echo()
-    stdscr.addstr(height - 1, 0, label)
-    stdscr.clrtoeol()
-    text = stdscr.getstr(height - 1, len(label), 64).decode(errors="replace").strip()
-    curses.noecho()
-    stdscr.timeout(100)
-    return text
+    try:
+        stdscr.addstr(height - 1, 0, label[: max(0, width - 2)])
+        stdscr.clrtoeol()
+        return stdscr.getstr(height - 1, len(label), max(1, min(64, width - len(label) - 1))).decode(
+            errors="replace").strip()
+    except curses.error:
+        return ""
+    finally:
+        curses.noecho()
+        stdscr.timeout(100)
 
 
 def _draw(stdscr: curses.window, lines: Sequence[str]) -> None:

@@ -213,10 +213,14 @@ def _log_size(path: str) -> int:
 
 
 def _complete_utf8(data: bytes) -> bytes:
-    """`data` without a trailing partial UTF-8 sequence (the rest arrives with the next read)."""
+    """`data` without a trailing partial UTF-8 sequence (the rest arrives with the next read). A
+    byte that can never start one (0xF8-0xFF, or a stray continuation) is not held back: no later
+    byte completes it, and it goes out as U+FFFD."""
     for back in range(1, min(4, len(data)) + 1):
         byte = data[-back]
         if byte & 0xC0 != 0x80:  # a lead byte or ASCII: is its sequence complete?
+            if byte >= 0xF8:
+                return data
             need = 1 if byte < 0x80 else 2 if byte >> 5 == 0x6 else 3 if byte >> 4 == 0xE else 4
             return data if need <= back else data[:-back]
     return data

@@ -230,13 +230,18 @@ async def logs(ctx: Context, req: LogsRequest) -> LogsResult:
     deadline = loop.time() + req.wait_s
     while True:
         finished = _current(ctx, job.id).state in TERMINAL_STATES
-        data = _read_log(path, req.offset, req.max_bytes)
+        raw = data = _read_log(path, req.offset, req.max_bytes)
+        # Never split a character across two replies: only the end of a finished job's log may end
+        # in a partial one (nothing will complete it). Trimmed before deciding to answer, or a job
+        # whose output ends mid-character would have `logs -f` asking again and again for nothing.
+        if not (finished and req.offset + len(raw) >= _log_size(path)):
+            data = _complete_utf8(raw)
+            if not data and len(raw) >= req.max_bytes:  # a character longer than the bytes asked for
+                data = raw
         if data or finished or loop.time() >= deadline or ctx.engine.shutting_down:
             break
         # Log growth is not an engine event; a short poll inside the daemon keeps the client simple.
         await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
-    if not finished:
-        data = _complete_utf8(data)  # never split a character across two replies
     next_offset = req.offset + len(data)
     eof = finished and _log_size(path) <= next_offset
     return LogsResult(data=data.decode("utf-8", errors="replace"), next_offset=next_offset, eof=eof)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from gpusched_cli import messages, render
@@ -26,6 +28,8 @@ def top(ctx: click.Context, once: bool, width: int) -> None:
     """
     from gpusched_cli import top as top_view  # curses and the protocol's models are only needed here
 
+    if not once and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise click.UsageError("the live view needs a terminal; `gpusched top --once` prints one snapshot")
     with connected(ctx, timeout=30.0) as client:
         if once:
             snapshot = top_view.first_snapshot(client)
