@@ -2,11 +2,13 @@
 its fix (a busy-polling follow, U+FFFD in valid output, tracebacks and a wrong exit code from top)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,34 +64,36 @@ def _screen(session: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_top_user_filter_prompt_in_a_narrow_terminal_does_not_crash(daemon: DaemonHandle) -> None:
-    session = f"audnarrow{os.getpid()}"
+@contextlib.contextmanager
+def _top_in_tmux(daemon: DaemonHandle, name: str, width: int, height: int) -> Iterator[str]:
+    """`gpusched top` live in a tmux session of that size, on screen; then `EXIT=<code>` when it ends."""
+    session = f"{name}{os.getpid()}"
     env = {**os.environ, "GPUSCHED_SOCKET": daemon.socket, "TERM": "xterm"}
-    _tmux(session, f"{PY} -m gpusched_cli.main top; echo EXIT=$?; sleep 60", 30, 10, env)
+    _tmux(session, f"{PY} -m gpusched_cli.main top; echo EXIT=$?; sleep 60", width, height, env)
     try:
         wait_until(lambda: "gpusched top" in _screen(session), timeout=15, what="top on screen")
-        subprocess.run(["tmux", "-L", "gs-streams", "send-keys", "-t", session, "u"], check=True)
-        time.sleep(1.5)
-        screen = _screen(session)
-        assert "Traceback" not in screen and "EXIT=" not in screen, screen
+        yield session
     finally:
         subprocess.run(["tmux", "-L", "gs-streams", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_user_filter_prompt_in_a_narrow_terminal_does_not_crash(daemon: DaemonHandle) -> None:
+    with _top_in_tmux(daemon, "narrow", 30, 10) as session:
+        subprocess.run(["tmux", "-L", "gs-streams", "send-keys", "-t", session, "u"], check=True)
+        # a 30-column window gets the short prompt (it crashed with a traceback instead)
+        wait_until(lambda: "user: " in _screen(session), timeout=15, what="the user prompt")
+        screen = _screen(session)
+        assert "Traceback" not in screen and "EXIT=" not in screen, screen
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_top_exits_3_when_the_daemon_goes_away(daemon: DaemonHandle) -> None:
-    session = f"audgone{os.getpid()}"
-    env = {**os.environ, "GPUSCHED_SOCKET": daemon.socket, "TERM": "xterm"}
-    _tmux(session, f"{PY} -m gpusched_cli.main top; echo EXIT=$?; sleep 60", 120, 40, env)
-    try:
-        wait_until(lambda: "gpusched top" in _screen(session), timeout=15, what="top on screen")
+    with _top_in_tmux(daemon, "gone", 120, 40) as session:
         daemon.stop()
         wait_until(lambda: "EXIT=" in _screen(session), timeout=15, what="top to exit")
         # docs/cli.md exit codes: "3 | daemon not running or unreachable, or shutting down"
         assert "EXIT=3" in _screen(session), _screen(session)
-    finally:
-        subprocess.run(["tmux", "-L", "gs-streams", "kill-session", "-t", session], capture_output=True)
 
 
 def test_top_without_a_terminal_says_so_instead_of_a_traceback(daemon: DaemonHandle) -> None:
