@@ -92,6 +92,15 @@ class CgroupManager:
             _write(os.path.join(path, "cpuset.cpus"), format_cpu_list(limits.cpuset))
         return path
 
+    def procs(self, job_id: int) -> list[int]:
+        """The pids in the job's cgroup: every process of the job, including one that left its
+        session (`setsid`), since a job cannot leave a cgroup it does not own. [] without one."""
+        try:
+            text = _read(os.path.join(self.job_path(job_id), "cgroup.procs"))
+        except OSError:
+            return []
+        return [int(tok) for tok in text.split() if tok.isdigit()]
+
     def kill(self, job_id: int) -> None:
         """SIGKILL everything in the job's cgroup, including processes that left its process group."""
         path = os.path.join(self.job_path(job_id), "cgroup.kill")

@@ -339,7 +339,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         try:
             try:
                 added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
-                    action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
+                    job.id, action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
             except GpuError as exc:
                 self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
                 return

@@ -249,6 +249,8 @@ class EngineCore:
             for uuid in self.launcher.idle_mps(job, self.active_jobs()):
                 # (a later share restarts it; one starting meanwhile keeps it: _mps_still_idle)
                 self._spawn(self.launcher.stop_mps(uuid, job.uid, self._mps_still_idle(uuid, job.uid, job.id)))
+            for uuid, uid in self.launcher.mps_ended(job):  # the user's other shares there: caps down to them
+                self._spawn(self.launcher.update_mps_caps(uuid, uid))
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()

@@ -16,6 +16,7 @@ from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Trace
 from gpusched.daemon.launch import describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
 from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome
+from gpusched.gpu.backend import GpuError
 from gpusched.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -62,8 +63,25 @@ class RecoveryMixin(EngineCore):
     async def _recover(self) -> None:
         """Explicit restart rules (daemon/recovery.py) for every unfinished job; none can stop the start."""
         launched = self.executor.launched()
+        # Shares found holding an MPS device: their users' control daemons are known again before
+        # any of them is ended below, so the end quits (or re-caps) the daemon as it would have; the
+        # daemons no share holds had their shares end while no gpuschedd was there to quit them.
+        modes = self.share_modes()
+        for job in self.active_jobs():
+            if job.allocation is not None:
+                self.launcher.adopt_mps(job.id, job.allocation, modes, job.uid)
+        try:
+            strays = await asyncio.to_thread(self.launcher.mps.quit_strays)
+        except GpuError as exc:
+            log.warning("quitting MPS control daemons left from before the restart: %s", exc.message)
+        else:
+            if strays:
+                log.info("quit %d MPS control daemon(s) whose shares ended while gpuschedd was down", strays)
         for job in list(self.jobs.values()):
             self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
+        for uuid, uid in self.launcher.mps.servers():  # caps as the shares that are still there
+            if uid is not None:
+                self._spawn(self.launcher.update_mps_caps(uuid, uid))
 
     def _recover_job(self, job: Job, trace: Trace | None = None) -> None:
         """Apply the restart rule for one job; whatever goes wrong ends that job, never the daemon.
@@ -175,7 +193,7 @@ class RecoveryMixin(EngineCore):
                    and any(modes.get(u) == "timeslice" for u in j.allocation.uuids)]
         if not watched:
             return
-        used = await asyncio.to_thread(gpu_memory_by_job, self.backend, watched)
+        used = await asyncio.to_thread(gpu_memory_by_job, self.backend, watched, self.cgroups)
         for job in watched:
             limit = job.allocation.gpu_mem_mib if job.allocation is not None else None
             if limit is not None and used.get(job.id, 0) > limit:

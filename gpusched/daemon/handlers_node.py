@@ -131,7 +131,7 @@ async def _top_snapshot(ctx: Context, seq: int, max_pending: int) -> TopSnapshot
     jobs = sorted(engine.jobs.values(), key=lambda j: j.id)
     active = [j for j in jobs if j.state in ACTIVE_STATES]
     pending = [j for j in jobs if j.state in (JobState.PENDING, JobState.HELD)]
-    memory = await asyncio.to_thread(gpu_memory_by_job, engine.backend, active)
+    memory = await asyncio.to_thread(gpu_memory_by_job, engine.backend, active, engine.cgroups)
     standing = engine.scheduler.export_standing() if hasattr(engine.scheduler, "export_standing") else {}
     counts: dict[str, list[int]] = {}  # user -> [running, pending, next pending job id]
     for job in jobs:

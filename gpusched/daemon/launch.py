@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import pwd
+import threading
 from collections.abc import Callable
 
 from gpusched.config import DaemonConfig
@@ -21,7 +22,7 @@ from gpusched.daemon.cgroups import CgroupManager, JobLimits
 from gpusched.daemon.executor import Executor, Identity, Started
 from gpusched.daemon.procfs import session_of
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
-from gpusched.gpu.mps import MpsManager
+from gpusched.gpu.mps_manager import MpsManager
 from gpusched.model import ACTIVE_STATES, Allocation, Job
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -45,6 +46,11 @@ class Launcher:
         # (device, uid) -> shares between share_env and their STARTING: a stop of that user's control
         # daemon there, decided when their last share ended, must keep it for them (mps_idle)
         self.mps_starting: dict[tuple[str, int], int] = {}
+        # (device, uid) -> job -> (thread percentage, MiB) of each share of that user there, starting
+        # or running: their sum is what the user's control daemon caps any one client at (share_env).
+        # Read from the MPS worker threads, so guarded.
+        self._mps_grants: dict[tuple[str, int], dict[int, tuple[int, int | None]]] = {}
+        self._grants_lock = threading.Lock()
 
     def mps_started(self, allocation: Allocation, uid: int) -> None:
         """The share whose control daemon share_env ensured is now recorded (or failed)."""
@@ -56,9 +62,15 @@ class Launcher:
             else:
                 self.mps_starting.pop(key, None)
 
-    async def share_env(self, allocation: Allocation, share_modes: dict[str, str], uid: int) -> dict[str, str]:
+    async def share_env(self, job_id: int, allocation: Allocation, share_modes: dict[str, str],
+                        uid: int) -> dict[str, str]:
         """For a share on an `mps` device: start (or reuse) the user's control daemon there and give
         the job its caps. One daemon per user and device, so several users' shares can be co-resident.
+
+        The job's own variables are not the cap: a client can lower them, and one that sets its own
+        (a script that exports CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100) would get what it asked. So the
+        daemon's defaults, and its running server's limits, are the user's total there: all their
+        shares on the device together, which is what they were given (docs/security.md).
 
         Raises GpuError (the control program failed, or cannot be run at all)."""
         if allocation.share is None or len(allocation.devices) != 1:
@@ -67,10 +79,69 @@ class Launcher:
         if share_modes.get(uuid) != "mps":
             return {}
         key = (uuid, uid)
+        percent, mib = share_caps(allocation)
+        self._grant(key, job_id, percent, mib)
         self.mps_starting[key] = self.mps_starting.get(key, 0) + 1  # the caller calls mps_started() after
-        daemon = await asyncio.to_thread(self.mps.ensure, uuid, uid)
-        percent = max(1, min(100, round(allocation.share * 100)))
-        return daemon.client_env(percent, allocation.gpu_mem_mib)
+        try:
+            daemon = await asyncio.to_thread(functools.partial(self.mps.ensure, uuid, uid,
+                                                               caps=functools.partial(self.mps_caps, key)))
+        except BaseException:
+            self._revoke(key, job_id)
+            raise
+        return daemon.client_env(percent, mib)
+
+    def adopt_mps(self, job_id: int, allocation: Allocation, share_modes: dict[str, str], uid: int) -> bool:
+        """A share found running at start (re-adopted): count its caps, and know its user's control
+        daemon there, so that daemon is quit when their last share on the device ends. True if it
+        is an MPS share."""
+        if allocation.share is None or len(allocation.devices) != 1:
+            return False
+        uuid = allocation.devices[0].uuid
+        if share_modes.get(uuid) != "mps":
+            return False
+        self._grant((uuid, uid), job_id, *share_caps(allocation))
+        self.mps.daemon(uuid, uid)
+        return True
+
+    def mps_caps(self, key: tuple[str, int]) -> tuple[int, int | None] | None:
+        """(thread percentage, MiB) the user's control daemon on the device caps a client at: the sum
+        of their shares there (at most 100%; MiB None if one has no memory cap), or None when they
+        have none."""
+        with self._grants_lock:
+            grants = list(self._mps_grants.get(key, {}).values())
+        if not grants:
+            return None
+        mibs = [m for _, m in grants]
+        return min(100, sum(p for p, _ in grants)), None if None in mibs else sum(m for m in mibs if m is not None)
+
+    def _grant(self, key: tuple[str, int], job_id: int, percent: int, mib: int | None) -> None:
+        with self._grants_lock:
+            self._mps_grants.setdefault(key, {})[job_id] = (percent, mib)
+
+    def _revoke(self, key: tuple[str, int], job_id: int) -> bool:
+        """Forget the job's share in the user's caps there; True if the user still has shares there."""
+        with self._grants_lock:
+            grants = self._mps_grants.get(key)
+            if grants is None:
+                return False
+            grants.pop(job_id, None)
+            if not grants:
+                del self._mps_grants[key]
+                return False
+            return True
+
+    def mps_ended(self, ended: Job) -> list[tuple[str, int]]:
+        """`ended`'s share is over: the (device, uid) whose control daemon must lower its caps now
+        (the user has other shares there; with none left, idle_mps quits the daemon instead)."""
+        if ended.allocation is None or ended.allocation.share is None:
+            return []
+        return [(uuid, ended.uid) for uuid in ended.allocation.uuids if self._revoke((uuid, ended.uid), ended.id)]
+
+    async def update_mps_caps(self, uuid: str, uid: int) -> None:
+        try:
+            await asyncio.to_thread(self.mps.update_caps, uuid, uid, functools.partial(self.mps_caps, (uuid, uid)))
+        except GpuError as exc:
+            log.warning("lowering the MPS caps of uid %d on %s: %s", uid, uuid, exc.message)
 
     async def start(self, job: Job, allocation: Allocation, added: dict[str, str], inventory: Inventory,
                     deadline_s: float, on_pid: Callable[[int], None]) -> Started:
@@ -103,6 +174,12 @@ class Launcher:
             await asyncio.to_thread(functools.partial(self.mps.stop, uuid, uid, still_idle=still_idle))
         except GpuError as exc:
             log.warning("stopping the MPS control daemon of %s (uid %s): %s", uuid, uid, exc.message)
+
+
+def share_caps(allocation: Allocation) -> tuple[int, int | None]:
+    """(thread percentage, MiB) of one MPS share: its fraction of the SMs (1..100) and its memory
+    (None: no memory cap, which only a record from before shares had one can lack)."""
+    return max(1, min(100, round((allocation.share or 0.0) * 100))), allocation.gpu_mem_mib
 
 
 def describe(exc: BaseException) -> str:
@@ -175,10 +252,13 @@ def cpu_and_memory_limits(job: Job, allocation: Allocation, inventory: Inventory
     return None, pool[: job.spec.cpus] if job.spec.cpus else pool
 
 
-def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job]) -> dict[int, int]:
-    """MiB of GPU memory each job's processes use, per NVML (a process belongs to the job whose
-    session it is in: every job is a session leader). Blocking: run it off the loop."""
+def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job], cgroups: CgroupManager | None = None) -> dict[int, int]:
+    """MiB of GPU memory each job's processes use, per NVML. A process belongs to the job whose
+    cgroup holds it (with per-job cgroups: a job cannot leave its own), else to the job whose session
+    it is in (every job is a session leader; a process that calls setsid() leaves it, so without
+    cgroups such a process is not counted). Blocking: run it off the loop."""
     by_session = {j.pid: j.id for j in jobs if j.pid}
+    by_cgroup = {pid: j.id for j in jobs for pid in cgroups.procs(j.id)} if cgroups is not None else {}
     devices = {u for j in jobs if j.allocation is not None for u in j.allocation.uuids}
     used: dict[int, int] = {}
     for uuid in devices:
@@ -187,7 +267,9 @@ def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job]) -> dict[int, int]:
         except GpuError:
             continue
         for p in procs:
-            job_id = by_session.get(session_of(p.pid) or -1)
+            job_id = by_cgroup.get(p.pid)
+            if job_id is None:
+                job_id = by_session.get(session_of(p.pid) or -1)
             if job_id is not None and p.used_memory_bytes is not None:
                 used[job_id] = used.get(job_id, 0) + p.used_memory_bytes // 2**20
     return used

@@ -19,12 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from gpusched.gpu.backend import GpuBusyError, GpuError
 
 DEFAULT_CONTROL_BINARY = "nvidia-cuda-mps-control"
+
 PID_FILE = "nvidia-cuda-mps-control.pid"
 _POLL_S = 0.02
 
@@ -46,6 +46,14 @@ def mps_client_env(
             raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mem_limit_mib}")
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"{ordinal}={mem_limit_mib}M"
     return env
+
+
+def daemon_dir(base_dir: str | os.PathLike[str], device: str, uid: int | None) -> Path:
+    """Where the control daemon of a device (and user) keeps its pipe and log directories: a name
+    derived from both, so a restarted gpuschedd finds the daemons its predecessor started."""
+    # Short directory names: the pipe directory holds Unix sockets (108-byte path limit).
+    label = device if uid is None else f"{device}:{uid}"
+    return Path(base_dir) / hashlib.sha1(label.encode()).hexdigest()[:12]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,10 +92,7 @@ class MpsDaemon:
     ) -> None:
         self.device = device
         self.uid = uid
-        # Short directory names: the pipe directory holds Unix sockets (108-byte path limit).
-        label = device if uid is None else f"{device}:{uid}"
-        key = hashlib.sha1(label.encode()).hexdigest()[:12]
-        self.root = Path(base_dir) / key
+        self.root = daemon_dir(base_dir, device, uid)
         self.pipe_dir = self.root / "pipe"
         self.log_dir = self.root / "log"
         self.control_binary = control_binary
@@ -95,6 +100,14 @@ class MpsDaemon:
         self.owner_uid: int | None = None
         self._clients: dict[int, int] = {}  # client pid -> uid
         self._lock = threading.Lock()
+
+    @classmethod
+    def found_at(cls, root: Path, *, control_binary: str = DEFAULT_CONTROL_BINARY,
+                 timeout_s: float = 10.0) -> MpsDaemon:
+        """The daemon whose directories are `root`, device unknown (it can still be told to quit)."""
+        found = cls("", root.parent, control_binary=control_binary, timeout_s=timeout_s)
+        found.root, found.pipe_dir, found.log_dir = root, root / "pipe", root / "log"
+        return found
 
     @property
     def control_log(self) -> Path:
@@ -191,12 +204,20 @@ class MpsDaemon:
 
     def command(self, line: str) -> str:
         """Send one control command on stdin; return its reply."""
-        if "\n" in line:
-            raise ValueError("one command per call")
-        result = self._run([], line + "\n")
+        return self.commands([line])
+
+    def commands(self, lines: list[str]) -> str:
+        """Send control commands in one run of the control program (one line each, as an operator
+        would pipe them); return the replies. Any reply that is an error fails the lot."""
+        if any("\n" in line for line in lines):
+            raise ValueError("one command per line")
+        result = self._run([], "".join(line + "\n" for line in lines))
         out = result.stdout.strip()
-        if result.returncode != 0 or out.lower().startswith("error"):
-            raise self._error(f"`{line}` failed ({result.returncode}): {(result.stderr.strip() or out)}")
+        bad = [reply for reply in out.splitlines() if reply.strip().lower().startswith("error")]
+        if result.returncode != 0 or bad:
+            what = lines[0] if len(lines) == 1 else "; ".join(lines)
+            said = result.stderr.strip() or "; ".join(bad) or out
+            raise self._error(f"`{what}` failed ({result.returncode}): {said}")
         return out
 
     def set_default_active_thread_percentage(self, percentage: int) -> None:
@@ -208,6 +229,24 @@ class MpsDaemon:
         if mib < 1:
             raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mib}")
         self.command(f"set_default_device_pinned_mem_limit {device} {mib}M")
+
+    def set_caps(self, thread_percentage: int, mem_limit_mib: int | None) -> None:
+        """The most SMs and memory any one client of this daemon may take: the defaults of servers
+        yet to start, and the limits of each running server for the clients that connect from now
+        on. A client's own CUDA_MPS_* variables can only lower them (reference §4), so a job that
+        starts itself with higher values gets these, not more."""
+        if not 1 <= thread_percentage <= 100:
+            raise ValueError(f"thread percentage must be 1..100, got {thread_percentage}")
+        if mem_limit_mib is not None and mem_limit_mib < 1:
+            raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mem_limit_mib}")
+        lines = [f"set_default_active_thread_percentage {thread_percentage}"]
+        if mem_limit_mib is not None:
+            lines.append(f"set_default_device_pinned_mem_limit {self.device} {mem_limit_mib}M")
+        for server in self.server_list():
+            lines.append(f"set_active_thread_percentage {server} {thread_percentage}")
+            if mem_limit_mib is not None:
+                lines.append(f"set_device_pinned_mem_limit {server} {self.device} {mem_limit_mib}M")
+        self.commands(lines)
 
     def server_list(self) -> list[int]:
         """PIDs of the MPS servers this daemon runs (one per active uid)."""
@@ -248,80 +287,3 @@ class MpsDaemon:
     def clients(self) -> dict[int, int]:
         with self._lock:
             return dict(self._clients)
-
-
-class MpsManager:
-    """All MPS daemons of the node, keyed by device UUID and (for per-user daemons) uid."""
-
-    def __init__(
-        self,
-        base_dir: str | os.PathLike[str],
-        *,
-        control_binary: str = DEFAULT_CONTROL_BINARY,
-        timeout_s: float = 10.0,
-    ) -> None:
-        self.base_dir = Path(base_dir)
-        self.control_binary = control_binary
-        self.timeout_s = timeout_s
-        self._daemons: dict[tuple[str, int | None], MpsDaemon] = {}
-        self._lock = threading.Lock()
-        # One start or stop at a time per (device, uid): a stop still waiting for its daemon to quit
-        # made a start beside it find the quitting daemon "running", and the share ran with none.
-        self._key_locks: dict[tuple[str, int | None], threading.Lock] = {}
-
-    def _key_lock(self, device: str, uid: int | None) -> threading.Lock:
-        with self._lock:
-            return self._key_locks.setdefault((device, uid), threading.Lock())
-
-    def daemon(self, device: str, uid: int | None = None) -> MpsDaemon:
-        """The (possibly not yet started) daemon for a device (and user)."""
-        with self._lock:
-            key = (device, uid)
-            if key not in self._daemons:
-                self._daemons[key] = MpsDaemon(
-                    device, self.base_dir, uid=uid, control_binary=self.control_binary, timeout_s=self.timeout_s
-                )
-            return self._daemons[key]
-
-    def ensure(
-        self, device: str, uid: int | None = None, *, default_thread_percentage: int | None = None,
-        pinned_mem_limit_mib: int | None = None,
-    ) -> MpsDaemon:
-        with self._key_lock(device, uid):
-            d = self.daemon(device, uid)
-            d.start(default_thread_percentage=default_thread_percentage, pinned_mem_limit_mib=pinned_mem_limit_mib)
-            return d
-
-    def stop(self, device: str, uid: int | None = None, *, still_idle: Callable[[], bool] | None = None) -> None:
-        """Quit the daemon; with `still_idle`, only if it still says so once no start is under way
-        (a share starting for the same user and device meanwhile keeps it)."""
-        with self._key_lock(device, uid):
-            if still_idle is not None and not still_idle():
-                return
-            with self._lock:
-                d = self._daemons.pop((device, uid), None)
-            if d is not None:
-                d.stop()
-
-    def stop_all(self) -> list[GpuError]:
-        """Stop every daemon; returns the errors instead of stopping at the first."""
-        errors: list[GpuError] = []
-        with self._lock:
-            daemons = list(self._daemons.values())
-            self._daemons.clear()
-        for d in daemons:
-            try:
-                d.stop()
-            except GpuError as err:
-                errors.append(err)
-        return errors
-
-    def devices(self) -> list[str]:
-        """Devices with at least one daemon."""
-        with self._lock:
-            return sorted({device for device, _ in self._daemons})
-
-    def servers(self) -> list[tuple[str, int | None]]:
-        """(device, uid) of every daemon; uid None for a device-wide one."""
-        with self._lock:
-            return list(self._daemons)

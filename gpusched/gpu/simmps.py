@@ -38,6 +38,10 @@ class State:
         self.thread_pct = 100.0
         self.mem_limits: dict[str, str] = {}
         self.servers: dict[int, int] = {}  # pid -> uid
+        # What each server gives clients that connect from now on: the defaults when it started,
+        # changed by set_active_thread_percentage / set_device_pinned_mem_limit (a server's own).
+        self.server_pct: dict[int, float] = {}
+        self.server_mem: dict[int, dict[str, str]] = {}
         self.quit = False
 
     def spawn_server(self, uid: int) -> int:
@@ -48,6 +52,8 @@ class State:
             while True:
                 signal.pause()
         self.servers[pid] = uid
+        self.server_pct[pid] = self.thread_pct
+        self.server_mem[pid] = dict(self.mem_limits)
         return pid
 
     def reap(self) -> None:
@@ -55,6 +61,8 @@ class State:
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     del self.servers[pid]
+                    self.server_pct.pop(pid, None)
+                    self.server_mem.pop(pid, None)
 
     def handle(self, line: str) -> str:
         self.reap()
@@ -77,11 +85,8 @@ class State:
                 return f"Error: no server with pid {args[0]}"
             return "0"
         if cmd == "set_default_active_thread_percentage" and len(args) == 1:
-            try:
-                value = float(args[0])
-            except ValueError:
-                return "Error: invalid percentage"
-            if not 0 < value <= 100:
+            value = _percentage(args[0])
+            if value is None:
                 return "Error: invalid percentage"
             self.thread_pct = value
             return ""
@@ -94,10 +99,45 @@ class State:
             return ""
         if cmd == "get_default_device_pinned_mem_limit" and len(args) == 1:
             return self.mem_limits.get(args[0], "0")
+        if cmd in ("set_active_thread_percentage", "get_active_thread_percentage", "set_device_pinned_mem_limit",
+                   "get_device_pinned_mem_limit"):
+            return self.server_command(cmd, args)
         if cmd == "quit" and not args:
             self.quit = True
             return ""
         return f"Error: unknown command {line!r}"
+
+
+    def server_command(self, cmd: str, args: list[str]) -> str:
+        """A running server's own limits (by server pid): they apply to the clients that connect
+        to it from now on, not to those already connected."""
+        if not args or not args[0].isdigit() or int(args[0]) not in self.servers:
+            return f"Error: no server with pid {args[0] if args else ''}"
+        pid = int(args[0])
+        if cmd == "get_active_thread_percentage" and len(args) == 1:
+            return f"{self.server_pct[pid]:.1f}"
+        if cmd == "set_active_thread_percentage" and len(args) == 2:
+            value = _percentage(args[1])
+            if value is None:
+                return "Error: invalid percentage"
+            self.server_pct[pid] = value
+            return ""
+        if cmd == "get_device_pinned_mem_limit" and len(args) == 2:
+            return self.server_mem[pid].get(args[1], "0")
+        if cmd == "set_device_pinned_mem_limit" and len(args) == 3:
+            if not re.fullmatch(r"\d+[MG]", args[2]):
+                return "Error: invalid limit"
+            self.server_mem[pid][args[1]] = args[2]
+            return ""
+        return f"Error: bad arguments to {cmd}"
+
+
+def _percentage(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 100 else None
 
 
 def serve(listener: socket.socket) -> None:

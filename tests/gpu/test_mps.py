@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpusched.gpu.backend import GpuBusyError, GpuError
-from gpusched.gpu.mps import PID_FILE, MpsDaemon, MpsManager, _pid_alive, mps_client_env
+from gpusched.gpu.mps import PID_FILE, MpsDaemon, _pid_alive, mps_client_env
+from gpusched.gpu.mps_manager import MpsManager
 
 FAKE = str(Path(__file__).resolve().parents[2] / "gpusched" / "gpu" / "simmps.py")
 DEV_A = "MIG-0b8c1e55-2b0e-4d7a-9d59-8b1f4f0c2a11"
@@ -148,3 +149,54 @@ def test_owner_uid_one_at_a_time(base: Path) -> None:
     assert d.owner_uid is None and d.can_serve(1001)
     d.acquire(1001, 13)
     assert d.clients() == {13: 1001}
+
+
+def test_caps_are_the_defaults_and_each_running_servers_limits(manager: MpsManager) -> None:
+    """A client can only lower what its daemon gives: the caps must be the daemon's defaults (for a
+    server yet to start) and its running server's own limits (for clients yet to connect)."""
+    caps = [(30, 2048)]
+    d = manager.ensure(DEV_A, 1000, caps=lambda: caps[0])
+    assert d.command("get_default_active_thread_percentage") == "30.0"
+    assert d.command(f"get_default_device_pinned_mem_limit {DEV_A}") == "2048M"
+    server = int(d.command("start_server -uid 1000"))  # a server takes the defaults of its start
+    assert d.command(f"get_active_thread_percentage {server}") == "30.0"
+    caps[0] = (55, 3072)
+    manager.update_caps(DEV_A, 1000, lambda: caps[0])
+    assert d.command("get_default_active_thread_percentage") == "55.0"
+    assert d.command(f"get_active_thread_percentage {server}") == "55.0"
+    assert d.command(f"get_device_pinned_mem_limit {server} {DEV_A}") == "3072M"
+    manager.update_caps(DEV_A, 1000, lambda: (40, None))  # no memory cap known: memory left as it is
+    assert d.command(f"get_active_thread_percentage {server}") == "40.0"
+    assert d.command(f"get_device_pinned_mem_limit {server} {DEV_A}") == "3072M"
+    manager.update_caps(DEV_A, 1000, lambda: None)  # no share left: nothing to set
+    assert d.command("get_default_active_thread_percentage") == "40.0"
+    manager.update_caps(DEV_B, 1000, lambda: (10, 10))  # no daemon there: nothing started
+    assert not manager.daemon(DEV_B, 1000).running()
+    with pytest.raises(ValueError):
+        d.set_caps(0, 1)
+    with pytest.raises(ValueError):
+        d.set_caps(10, 0)
+
+
+def test_commands_fail_on_any_error_reply(manager: MpsManager) -> None:
+    d = manager.ensure(DEV_A)
+    with pytest.raises(GpuError, match="no server with pid 424242"):
+        d.commands(["set_default_active_thread_percentage 20", "set_active_thread_percentage 424242 20"])
+    with pytest.raises(ValueError):
+        d.commands(["get_server_list\nquit"])
+
+
+def test_quit_strays_quits_only_daemons_nobody_registered(base: Path) -> None:
+    """A restarted gpuschedd registers the daemons of the shares it re-adopts, then quits the rest:
+    their shares ended while it was down, and nothing else would ever quit them."""
+    before = MpsManager(base, control_binary=FAKE, timeout_s=5)
+    kept, stray = before.ensure(DEV_A, 1000), before.ensure(DEV_B, 1001)
+    (base / "not-a-daemon").mkdir()
+    after = MpsManager(base, control_binary=FAKE, timeout_s=5)  # the next gpuschedd
+    after.daemon(DEV_A, 1000)
+    stray_pid = stray.pid()
+    assert stray_pid is not None
+    assert after.quit_strays() == 1
+    assert _wait_dead(stray_pid) and kept.running()
+    assert after.quit_strays() == 0
+    after.stop_all()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 from typing import Any
 
 import pytest
@@ -283,3 +285,38 @@ def test_stats_and_top_show_a_group_members_share_of_the_group_weight(daemon_fac
     with daemon.client() as c:  # `top`'s stream, first snapshot (taken while the job is still there or not)
         snapshot = TopSnapshot.model_validate(c.request({"op": "watch", "max_rate_hz": 20}))
     assert all(u.weight == 1000 for u in snapshot.users if u.user == root.user)
+
+
+def test_a_timeslice_process_that_left_its_session_still_counts_against_the_job(
+        daemon_factory: Any, tmp_path: Any) -> None:
+    """The watchdog counted a job's session only: a process that called setsid() used GPU memory
+    beyond the job's --gpu-mem unseen (isolation audit). With per-job cgroups it is the cgroup's
+    members that count, and a job cannot leave its cgroup (the fake cgroupfs lists the escaped
+    process in the job's cgroup.procs, as the kernel would: it was forked there)."""
+    from tests.daemon.test_cgroups import fake_cgroupfs
+
+    root = fake_cgroupfs(tmp_path / "gpusched.service")
+    daemon = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="timeslice")}, cgroup_root=str(root))
+    pid_file = tmp_path / "escaped.pid"
+    with daemon.client() as c:
+        share = JobSpec(argv=["sh", "-c", f"setsid sleep 60 & echo $! > {pid_file}; sleep 60"], cwd="/tmp",
+                        env={"PATH": "/usr/bin:/bin"}, request=ShareRequest(fraction=0.5, gpu_mem_mib=1024))
+        job_id = submit(c, share)
+        wait_until(lambda: state_of(c, job_id) is JobState.RUNNING and pid_file.exists()
+                   and pid_file.read_text().strip().isdigit(), what="running, with a process out of its session")
+        escaped = int(pid_file.read_text())
+        job = c.call(ShowRequest(job_id=job_id), ShowResult).job
+        assert job.pid is not None and os.getsid(escaped) != job.pid  # it did leave the session
+        with open(root / f"job-{job_id}" / "cgroup.procs", "a") as f:
+            f.write(f"\n{escaped}\n")
+        assert daemon.daemon is not None
+        sim = simulator_of(daemon.daemon.engine.backend)
+        assert sim is not None
+        sim.add_process(c.call(GpusRequest(), GpusResult).gpus[0].uuid, escaped, 3 << 30)
+        try:
+            res = wait_done(c, job_id)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(escaped, signal.SIGKILL)
+        assert res.job.state is JobState.FAILED
+        assert res.job.reason == "gpu_mem exceeded: its processes use 3072 MiB, over its --gpu-mem of 1024 MiB"

@@ -7,13 +7,16 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpusched.config import GpuConfig
 from gpusched.model import JobSpec, JobState, ShareRequest
 from gpusched.protocol import CancelRequest, CancelResult
 from tests.conftest import wait_until
 from tests.integration.test_daemon import state_of, submit, wait_done
+
+if TYPE_CHECKING:
+    from gpusched.gpu.mps import MpsDaemon
 
 
 def _share(cmd: str, fraction: float, mem: int = 1024, **kw: Any) -> JobSpec:
@@ -89,3 +92,88 @@ def test_cpus_are_pinned_when_the_cgroup_has_no_cpu_controllers(daemon_factory: 
         out = c.call(LogsRequest(job_id=job), LogsResult).data
     assert (root / f"job-{job}" / "memory.max").read_text() == str(512 << 20)  # the memory limit is the cgroup's
     assert out.split()[-1].isdigit(), f"a --cpus 1 job may run on CPUs {out.split()[-1]}"
+
+
+def _control(state_dir: str, device: str) -> MpsDaemon:
+    """The control daemon of this test's user on a device, as gpuschedd laid it out."""
+    from gpusched.gpu.mps import MpsDaemon, daemon_dir
+    from gpusched.gpu.simmps import __file__ as fake
+
+    return MpsDaemon.found_at(daemon_dir(os.path.join(state_dir, "mps"), device, os.getuid()), control_binary=fake)
+
+
+def _device_of(c: Any, job_id: int) -> str:
+    from gpusched.protocol import ShowRequest, ShowResult
+
+    job = c.call(ShowRequest(job_id=job_id), ShowResult).job
+    assert job.allocation is not None
+    return job.allocation.uuids[0]
+
+
+def _caps(ctl: MpsDaemon, device: str) -> tuple[str, str]:
+    return (ctl.command("get_default_active_thread_percentage"),
+            ctl.command(f"get_default_device_pinned_mem_limit {device}"))
+
+
+def test_the_control_daemon_caps_a_client_at_its_users_shares(daemon_factory: Any) -> None:
+    """A job's CUDA_MPS_* variables can only lower its daemon's caps, and gpusched left those at
+    100% and no memory limit (isolation audit): a job that exported CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    =100 itself got the whole GPU beside another user's share. The daemon's caps are now the user's
+    shares on the device together, and follow them as they start and end."""
+    d = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
+    with d.client() as c:
+        a = submit(c, _share("sleep 60", 0.3, mem=2048))
+        wait_until(lambda: state_of(c, a) is JobState.RUNNING, what="A running")
+        device = _device_of(c, a)
+        ctl = _control(d.state_dir, device)
+        assert _caps(ctl, device) == ("30.0", "2048M")
+        b = submit(c, _share("sleep 60", 0.2, mem=1024))
+        wait_until(lambda: state_of(c, b) is JobState.RUNNING, what="B running")
+        assert _caps(ctl, device) == ("50.0", "3072M")
+        c.call(CancelRequest(job_ids=[a]), CancelResult)
+        wait_done(c, a)
+        wait_until(lambda: _caps(ctl, device) == ("20.0", "1024M"), timeout=10, what="caps lowered to B's")
+        c.call(CancelRequest(job_ids=[b]), CancelResult)
+        wait_done(c, b)
+        wait_until(lambda: not _alive_control_daemons(d.state_dir), timeout=10, what="daemon quit")
+
+
+def test_a_share_readopted_after_a_restart_still_quits_its_control_daemon(daemon_factory: Any) -> None:
+    """Control daemons of shares found running at start were never registered, so they outlived
+    their shares for good (isolation audit)."""
+    d = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
+    with d.client() as c:
+        a = submit(c, _share("sleep 60", 0.4))
+        wait_until(lambda: state_of(c, a) is JobState.RUNNING, what="running")
+    assert _alive_control_daemons(d.state_dir)
+    d.restart()
+    with d.client() as c:
+        assert state_of(c, a) is JobState.RUNNING
+        c.call(CancelRequest(job_ids=[a]), CancelResult)
+        wait_done(c, a)
+    wait_until(lambda: not _alive_control_daemons(d.state_dir), timeout=10, what="daemon quit after re-adoption")
+
+
+def test_a_control_daemon_no_share_needs_is_quit_at_start(daemon_factory: Any) -> None:
+    """A share that ended while no gpuschedd ran (or one that crashed before quitting its daemon)
+    leaves a control daemon nobody would quit: the next start quits it, and keeps the ones in use."""
+    d = daemon_factory(sim="H100-80GB:1", gpus={"0": GpuConfig(share="mps")})
+    with d.client() as c:
+        a = submit(c, _share("sleep 60", 0.4))
+        wait_until(lambda: state_of(c, a) is JobState.RUNNING, what="running")
+        device = _device_of(c, a)
+    d.stop()
+    from gpusched.gpu.mps import MpsDaemon
+    from gpusched.gpu.simmps import __file__ as fake
+
+    stray = MpsDaemon("GPU-not-in-use", os.path.join(d.state_dir, "mps"), uid=os.getuid(), control_binary=fake)
+    stray.start()
+    stray_pid = stray.pid()
+    kept = _control(d.state_dir, device).pid()
+    assert stray_pid is not None and kept is not None
+    d.start()
+    wait_until(lambda: stray_pid not in _alive_control_daemons(d.state_dir), timeout=10, what="stray quit")
+    assert kept in _alive_control_daemons(d.state_dir)
+    with d.client() as c:
+        assert state_of(c, a) is JobState.RUNNING
+        assert _caps(_control(d.state_dir, device), device) == ("40.0", "1024M")
