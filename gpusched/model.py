@@ -171,11 +171,22 @@ def spec_bytes(spec: JobSpec) -> int:
 
     Bytes, not characters: 255k four-byte characters are 1 MB on the wire and in memory.
     """
+    global _last_measured
+    last = _last_measured
+    if last[0] is spec:  # a spec is frozen: the validator measured it, the per-user limits ask again
+        return last[1]
     strings = [*spec.argv, spec.cwd, *(f"{k}={v}" for k, v in spec.env.items())]
     if spec.name is not None:
         strings.append(spec.name)
     # One join and one encode, not one per string: a restart counts this for every queued job.
-    return utf8_len("".join(strings)) + SPEC_STRING_OVERHEAD * len(strings)
+    size = utf8_len("".join(strings)) + SPEC_STRING_OVERHEAD * len(strings)
+    _last_measured = (spec, size)
+    return size
+
+
+# The spec measured last, and its size: a submit's spec is measured by its validator and again by the
+# daemon's per-user limit on the same object, an eighth of a submit's parsing (one spec kept alive).
+_last_measured: tuple[JobSpec | None, int] = (None, 0)
 
 
 class AllocatedDevice(_Frozen):

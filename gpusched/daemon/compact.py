@@ -29,6 +29,8 @@ from gpusched.model import (
     ShareRequest,
     Transition,
     WholeRequest,
+    describe_request,
+    display_name,
     spec_bytes,
 )
 
@@ -99,6 +101,7 @@ class Compactor:
         self._specs: _Table[str, JobSpec] = _Table(capacity)
         # By object identity; the entry holds the spec, so its id cannot be reused while it is here.
         self._sizes: _Pool[int, tuple[JobSpec, int]] = _Pool(capacity)
+        self._columns: _Pool[int, tuple[JobSpec, tuple[str, str, int]]] = _Pool(capacity)
 
     def spec_bytes(self, spec: JobSpec) -> int:
         """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
@@ -108,6 +111,16 @@ class Compactor:
         size = spec_bytes(spec)
         self._sizes.share(id(spec), (spec, size))
         return size
+
+    def columns(self, spec: JobSpec) -> tuple[str, str, int]:
+        """What a job's row stores beside its spec (display name, request, spec bytes), once per
+        shared spec: a sweep's submits all store the same."""
+        found = self._columns.get(id(spec))
+        if found is not None and found[0] is spec:
+            return found[1]
+        values = (display_name(spec), describe_request(spec.request), self.spec_bytes(spec))
+        self._columns.share(id(spec), (spec, values))
+        return values
 
     def text(self, value: str) -> str:
         return self._strings.share(value, value)

@@ -13,6 +13,7 @@ import sqlite3
 import time
 
 from gpusched.arrayspec import ArraySpec, ArraySpecError, parse_array_spec
+from gpusched.construct import construct, fields_of
 from gpusched.core.scheduler import unsatisfiable_reason
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.groupcommit import Write
@@ -287,11 +288,15 @@ class RequestsMixin(EngineCore):
         return name in entry.gr_mem or pwd.getpwuid(uid).pw_gid == entry.gr_gid
 
 
+_SUBMIT_RESULT_SET = fields_of(SubmitResult)
+
+
 def _submitted(array_id: int | None, jobs: list[Job], *, duplicate: bool) -> SubmitResult:
-    # Built from the store's own values, so not validated again (every submit is answered with one).
-    if array_id is None:
-        return SubmitResult.model_construct(job_id=jobs[0].id, state=jobs[0].state, duplicate=duplicate)
-    return SubmitResult.model_construct(job_id=array_id, state=jobs[0].state, tasks=len(jobs), duplicate=duplicate)
+    # Built from the store's own values, so not validated again (every submit is answered with one;
+    # model_construct took 2.6 us of the ~70 us of the loop's time a submit takes at 16 clients).
+    return construct(SubmitResult, _SUBMIT_RESULT_SET, {
+        "job_id": jobs[0].id if array_id is None else array_id, "state": jobs[0].state,
+        "tasks": None if array_id is None else len(jobs), "duplicate": duplicate})
 
 
 # A job's history is kept whole (`show`, accounting), and each of its transitions stays in the

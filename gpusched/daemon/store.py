@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpusched.arrayspec import ArraySpec
+from gpusched.construct import construct, fields_of
 from gpusched.daemon import schema
 from gpusched.daemon.arraystore import insert_array
 from gpusched.daemon.storereader import NO_SPEC, StoreReader, SummaryRow
@@ -27,8 +28,6 @@ from gpusched.model import (
     JobSpec,
     JobState,
     Transition,
-    describe_request,
-    display_name,
 )
 
 # The read side moved to storereader.py and the schema to schema.py; importers of the store keep their imports.
@@ -142,8 +141,7 @@ class Store(StoreReader):
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason,
-                 display_name(spec), describe_request(spec.request), compact.spec_bytes(shared)),
+                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason, *compact.columns(shared)),
             )
             job_id = cur.lastrowid
             assert job_id is not None
@@ -311,11 +309,16 @@ class _Change:
             store._commit()  # a COMMIT that fails leaves no transaction open behind it
 
 
+_TRANSITION_SET = fields_of(Transition)
+
+
 def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:
-    """A new job's history: PENDING, then HELD at once for `submit --hold` (one change, one commit)."""
-    history = [Transition(state=JobState.PENDING, at=now, reason=reason)]
+    """A new job's history: PENDING, then HELD at once for `submit --hold` (one change, one commit).
+    Built without validation: the values are the daemon's own (every submit makes one)."""
+    history = [construct(Transition, _TRANSITION_SET, {"state": JobState.PENDING, "at": now, "reason": reason})]
     if hold:
-        history.append(Transition(state=JobState.HELD, at=now, reason="held at submission"))
+        history.append(construct(Transition, _TRANSITION_SET, {"state": JobState.HELD, "at": now,
+                                                               "reason": "held at submission"}))
     return history
 
 
