@@ -186,14 +186,19 @@ class Checkpoints:
         done: list[int] = []
         try:
             for pid in pids:
-                await self.tool.checkpoint(pid)
+                try:
+                    await self.tool.checkpoint(pid)
+                except CheckpointError:
+                    if _gone(pid):  # it exited since it was listed: no GPU state to keep
+                        continue
+                    raise
                 done.append(pid)
         except CheckpointError:
             for pid in done:
                 with contextlib.suppress(CheckpointError):
                     await self.tool.restore(pid)
             raise
-        self.saved[job.id] = Saved(tuple(job.allocation.uuids), tuple(pids), dict(job.allocation.env))
+        self.saved[job.id] = Saved(tuple(job.allocation.uuids), tuple(done), dict(job.allocation.env))
         self._save()
 
     async def restore(self, job: Job, device_map: Mapping[str, str] | None = None) -> None:
@@ -203,13 +208,17 @@ class Checkpoints:
             raise CheckpointError(job.pid or 0, "checkpointing is off (the daemon restarted with checkpoint = "
                                   "false or without cuda-checkpoint); the job cannot get its GPU state back")
         entry = self.saved.get(job.id)
-        for restored, pid in enumerate((entry.pids if entry is not None else ()) or ((job.pid,) if job.pid else ())):
+        restored = 0
+        for pid in (entry.pids if entry is not None else ()) or ((job.pid,) if job.pid else ()):
             try:
                 await self.tool.restore(pid, device_map)
             except CheckpointError as exc:
+                if _gone(pid) and pid != job.pid:  # a worker that exited while checkpointed needs nothing
+                    continue
                 if device_map and restored == 0 and exc.state == "checkpointed":
                     raise MoveRefused(exc) from exc
                 raise
+            restored += 1
 
     def stay(self, job_id: int) -> tuple[str, ...]:
         """After a refused move: the job waits for its own GPUs (where its state can go back without
@@ -291,3 +300,13 @@ def _load_underway(saved: str | None) -> dict[int, list[int]]:
         return {}
     return {int(k): [p for p in v if isinstance(p, int) and not isinstance(p, bool) and p > 0]
             for k, v in data.items() if isinstance(k, str) and k.isdigit() and isinstance(v, list)}
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer exists (or is a zombie): cuda-checkpoint has nothing of it to save or restore."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X")

@@ -17,6 +17,7 @@ from gpusched.daemon.launch import cuda_pids
 from gpusched.daemon.recovery import StopRequest
 from gpusched.gpu.checkpoint import CheckpointError
 from gpusched.model import (
+    TERMINAL_STATES,
     Event,
     Job,
     JobState,
@@ -53,8 +54,12 @@ class PreemptionMixin(EngineCore):
                 why_not = f"{exc.message} (its CUDA state: {exc.state or 'unknown'})"
         current = self.jobs.get(job.id)
         if why_not is None and (current is None or current.state is not JobState.RUNNING):
-            why_not = "it changed state while being checkpointed"  # it ended; its end releases the GPU
-            self.checkpoints.forget(job.id)
+            why_not = "it changed state while being checkpointed"
+            if current is not None and current.state not in TERMINAL_STATES:
+                # Alive, and kept where it was (stopped by a SIGSTOP from outside, say): it must get
+                # its GPU state back, or it would hold its GPU with every CUDA call blocked for ever.
+                await self._give_back_gpu_state(job.id, pids)
+            self.checkpoints.forget(job.id)  # (a job that ended: its end releases the GPU)
         if why_not is not None or current is None:
             self.checkpoints.end(job.id)
             log.warning("job %d: not preempted by checkpoint: %s", job.id, why_not)
@@ -70,6 +75,18 @@ class PreemptionMixin(EngineCore):
         self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
                                    message=f"checkpointed; its GPU state waits in host memory: {reason}"))
         self.wake()
+
+    async def _give_back_gpu_state(self, job_id: int, pids: list[int]) -> None:
+        """Restore the processes of a checkpoint that is not kept (each as far as it goes)."""
+        tool = self.checkpoints.tool
+        if tool is None:
+            return
+        for pid in pids:
+            try:
+                await tool.restore(pid)
+            except CheckpointError as exc:
+                if os.path.exists(f"/proc/{pid}"):
+                    log.warning("job %d: pid %d could not be given its GPU state back: %s", job_id, pid, exc.message)
 
     async def _repair_checkpoints(self) -> None:
         """At start: a checkpoint the last daemon began and never recorded (it crashed in between)
@@ -110,7 +127,7 @@ class PreemptionMixin(EngineCore):
             return
         except CheckpointError as exc:
             current = self.jobs.get(job.id)
-            if current is not None and current.state is JobState.SUSPENDED:
+            if current is not None and current.state not in TERMINAL_STATES:  # whatever it became meanwhile
                 final = JobState.PREEMPTED if current.spec.requeue else JobState.FAILED
                 self._request_stop(current, StopRequest(final, f"restore from checkpoint failed: {exc.message}"))
             return

@@ -201,6 +201,9 @@ class RequestsMixin(EngineCore):
             return f"job is {job.state}, not RUNNING"
         if job.id in self._stops:
             return "job is already being stopped"
+        if job.id in self.checkpoints.underway:
+            # (a suspend now would leave its CUDA state checkpointed under a job that keeps its GPU)
+            return "job is being checkpointed to give its GPU to another job; try again in a moment"
         self.executor.signal(job.pid, signal.SIGSTOP)
         self._set(job, JobState.SUSPENDED, f"{reason}; still holds its devices and GPU memory")
         return None
@@ -211,6 +214,8 @@ class RequestsMixin(EngineCore):
             return f"job is {job.state}, not SUSPENDED"
         if self.checkpoints.holds(job):
             return "job is checkpointed (its GPU was given to another job); it resumes when the scheduler gives it back"
+        if job.id in self.checkpoints.saved:  # given its GPU back: the restore is under way
+            return "job is being restored from its checkpoint; it runs again once its GPU state is back"
         if job.id in self._yielded:
             return ("job was suspended in place for another job; it resumes when its compute is free again "
                     "(the scheduler does it)")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from gpusched.config import DaemonConfig
 from gpusched.daemon.cgroups import CgroupManager, JobLimits
 from gpusched.daemon.executor import Executor, Identity, Started
-from gpusched.daemon.procfs import session_of
+from gpusched.daemon.procfs import session_members, session_of
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
 from gpusched.gpu.mps_manager import MpsManager
 from gpusched.model import ACTIVE_STATES, Allocation, Job
@@ -276,8 +276,10 @@ def gpu_memory_by_job(backend: GpuBackend, jobs: list[Job], cgroups: CgroupManag
 
 
 def cuda_pids(backend: GpuBackend, job: Job) -> list[int]:
-    """The job's processes that NVML lists on its devices (in its session), for cuda-checkpoint; the
-    job's own process when NVML lists none (simulated GPUs run no CUDA). Blocking: run it off the loop."""
+    """The job's processes that NVML lists on its devices (in its session), for cuda-checkpoint;
+    every live process of its session when NVML lists none (simulated GPUs run no CUDA, and the
+    simulated tool takes any process for a CUDA one: checkpointing only the leader let a worker child
+    run on with its GPU given away). Blocking: run it off the loop."""
     found: set[int] = set()
     for uuid in job.allocation.uuids if job.allocation is not None else ():
         try:
@@ -285,7 +287,9 @@ def cuda_pids(backend: GpuBackend, job: Job) -> list[int]:
         except GpuError:
             continue
         found.update(p.pid for p in procs if job.pid and session_of(p.pid) == job.pid)
-    return sorted(found) or ([job.pid] if job.pid else [])
+    if found or not job.pid:
+        return sorted(found)
+    return sorted(set(session_members(job.pid)) | {job.pid})
 
 
 def mps_control_binary(config: DaemonConfig) -> str:

@@ -51,6 +51,18 @@ def session_states(sessions: Collection[int]) -> dict[int, set[str]]:
     return states
 
 
+def session_members(sid: int) -> list[int]:
+    """The live (not zombie) processes of a session, in one /proc scan."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is not None and fields[3] == str(sid).encode() and fields[0] not in (b"Z", b"X"):
+            members.append(int(name))
+    return sorted(members)
+
+
 STOPPED_STATES = frozenset({"T", "t", "Z", "X"})  # stopped, traced, or already dead
 
 
