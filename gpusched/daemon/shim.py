@@ -20,6 +20,7 @@ sees the file gone and starts nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes  # (loaded once in the fork server, which imports this module)
 import fcntl
 import json
 import os
@@ -91,25 +92,110 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def kill_session(leader: int) -> int:
-    """SIGKILL what is left of a job: its process group, and every process still in its session.
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+KILL_ROUNDS = 10_000  # scans of what is left of a job before giving up (each one kills all it finds)
 
-    Called while the job's leader is an unreaped zombie, so neither its pid nor its process-group
-    or session id can have been reused. Returns how many processes were signalled besides the group.
-    """
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(leader, signal.SIGKILL)
-    killed = 0
+
+def become_subreaper() -> bool:
+    """Make this shim a child subreaper: a process of the job whose parent dies is re-parented here,
+    not to PID 1, whether or not it left the job's session (setsid) or process group. So every
+    process the job started stays below the shim, which can find and kill it when the job ends.
+    False where the kernel (or libc) does not offer it: then the session is what is killed."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children() -> list[int] | None:
+    """This process's children, as the kernel has them at the moment of the read (None where the
+    kernel does not offer /proc/PID/task/TID/children). A scan of /proc cannot be trusted for this:
+    a process that forks and exits faster than the scan reads it is always seen already dead."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def _in_session(leader: int) -> list[int]:
+    """Live processes of the job's session other than its leader, by one scan of /proc."""
+    sid = str(leader).encode()
+    found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == leader:
             continue
         fields = _stat_fields(int(name))
-        # field 6 (index 3 here) is the session id; a process that moved to its own group stays in it
-        if fields is not None and len(fields) > 3 and fields[3] == str(leader).encode():
+        if fields is not None and len(fields) > 3 and fields[3] == sid and fields[0] not in (b"Z", b"X"):
+            found.append(int(name))
+    return found
+
+
+def _live_children(leader: int, children: list[int]) -> list[int]:
+    """Of this shim's children, those still running; the exited ones (but the leader) are reaped."""
+    live = []
+    for pid in children:
+        if pid != leader:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    live.append(pid)
+    return live
+
+
+def kill_session(leader: int, subreaper: bool = False) -> int:
+    """SIGKILL what is left of a job: its process group, every process still in its session, and,
+    when this shim is a subreaper (become_subreaper), every process below it.
+
+    Called while the job's leader is an unreaped zombie, so neither its pid nor its process-group
+    or session id can have been reused. Below a subreaper every process the job started is a
+    descendant, and one whose parent dies is a child here before that parent can be reaped: so
+    killing and reaping this shim's children until it has none but the leader leaves nothing,
+    whatever left the session or keeps changing its pid (and a process cannot fork once SIGKILL is
+    pending). Without one, the session as /proc shows it, until a scan finds none (a process that
+    forks and exits faster than the scan can be missed: cgroups, or the subreaper, close that).
+    Returns how many processes were signalled besides the group.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
+    killed = 0
+    for _ in range(KILL_ROUNDS):
+        children = _children() if subreaper else None
+        if children is None:
+            left = _in_session(leader)
+            if not left:
+                break
+        else:
+            if not [pid for pid in children if pid != leader]:
+                break  # nothing below us: nothing of the job is left anywhere
+            left = _live_children(leader, children)  # (the exited ones' orphans are ours by now)
+        for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 killed += 1
     return killed
+
+
+def _wait_for_leader(leader: int) -> None:
+    """Until the leader exits (left unreaped: its pid must stay reserved), reap the orphans of the
+    job that are re-parented to this shim and exit meanwhile, so none lingers as a zombie."""
+    while True:
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        if info is None or info.si_pid == leader:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+
+
+def _reset_ignored_signals() -> None:
+    """Every signal ignored here back to its default: an ignored signal stays ignored across exec,
+    and Python ignores SIGPIPE and SIGXFSZ, the shim TERM, INT and HUP, and whatever started the
+    daemon may have ignored others (a job over its `ulimit -f` must be killed, not get EFBIG). glibc's
+    own signals (32, 33), which posix_spawn leaves ignored, cannot be changed from Python."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
 
 
 def _child(launch: dict[str, Any], err_w: int) -> None:
@@ -140,9 +226,7 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
         os.dup2(null_fd, 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-        # Python ignores SIGPIPE and we ignore the others; ignored signals survive exec, so reset them.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        _reset_ignored_signals()
         argv = launch["argv"]
         stage = f"exec {argv[0]}"
         os.execvpe(argv[0], argv, launch["env"])
@@ -185,6 +269,11 @@ def _report(message: dict[str, Any]) -> None:
 
 
 def run(job_dir: str) -> int:
+    # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
+    # the daemon's inheritable ones), no ignored signal (reset again in the child, after ours below).
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    _reset_ignored_signals()
+    subreaper = become_subreaper()
     claimed = _claim(job_dir)
     if claimed is None:
         return EXIT_REVOKED
@@ -222,8 +311,8 @@ def run(job_dir: str) -> int:
     os.dup2(null_fd, 1)
     # Wait without reaping, so the leader's pid (= its group and session id) stays reserved while
     # we kill what it left behind: nothing of a job outlives it onto devices given to others.
-    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-    kill_session(pid)
+    _wait_for_leader(pid)
+    kill_session(pid, subreaper)
     _, status = os.waitpid(pid, 0)
     exit_code = os.waitstatus_to_exitcode(status)
     write_atomic(os.path.join(job_dir, STATUS), {
