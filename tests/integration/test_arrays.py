@@ -415,3 +415,22 @@ def test_show_of_a_task_held_back_by_the_arrays_max_says_so(daemon_factory: Call
     assert shown.job.state is JobState.PENDING
     assert shown.waiting_reason == (f"waiting for array {made.job_id}'s %1: 1 of its tasks are queued or running; "
                                     "it is handed over when one of them ends"), shown.waiting_reason
+
+
+def test_a_capped_array_whose_dependency_fails_fails_every_task_at_once(
+        daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """Only the tasks %MAX let through were checked: the others failed MAX per tick (40 s for this
+    array at the default 1 s tick, hours for a 10,000-task one), listed PENDING all that time."""
+    node = daemon_factory(sim="H100-80GB:2", tick_s=1.0)
+    bad = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--", "sh", "-c", "exit 3").stdout)["job_id"]
+    with node.client() as c:
+        assert c.call(WaitRequest(job_id=bad, timeout_s=10), WaitResult).job.state is JobState.FAILED
+    array = json.loads(gs(node, "submit", "--json", "--gpus", "1", "--array", "0-39%1", "--after", str(bad), "--",
+                          "true").stdout)["job_id"]
+
+    def failed() -> bool:
+        with node.client() as c:
+            rows = c.call(QueueRequest(all=True), QueueResult).arrays
+        return next(r.states for r in rows if r.id == array) == {"FAILED": 40}
+
+    wait_until(failed, timeout=8, what="all 40 tasks failed (one per tick would take 40 s)")
