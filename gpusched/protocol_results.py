@@ -270,6 +270,10 @@ class TopSnapshot(_Res):
 class ReloadResult(_Res):
     changed: list[str] = Field(description="settings now in effect with their new values")
     restart_needed: list[str] = Field(description="changed settings that take effect only after a restart")
+    not_applied: list[str] = Field(default_factory=list, exclude_if=unset,
+                                   description="what of the new settings the node could not carry out yet, one "
+                                   "line each (`gpus.N.mig: why`: a MIG layout a busy GPU or instance keeps "
+                                   "back, applied once it is free)")
 
 
 class DoctorCheck(_Res):

@@ -91,6 +91,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self._yielded: set[int] = set()  # shares the scheduler suspended in place (store meta `yielded`)
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
+        self.layouts_pending: set[int] = set()  # GPUs whose configured MIG layout waits for them to be idle
+        self.last_seen: dict[int, Gpu] = {}  # every GPU an inventory has shown, as it was last (engine_devices)
         self.scheduler_gpus: tuple[Gpu, ...] = ()
         self._share_modes = None
         self._dynamic_gpus = None
@@ -191,6 +193,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
                     for device in self.devices.tick(self.clock()):
                         log.info("device %s back in service after its quiet period", device)
                     await self._watch_gpu_memory()
+                    if self.layouts_pending:
+                        await self.retry_layouts()
                 self._enforce_time_limits()
                 await self._pass()
             except Exception:  # the loop must survive a bad pass; the next event retries

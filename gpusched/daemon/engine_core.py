@@ -61,6 +61,8 @@ class EngineCore:
     _batch_log: dict[int, tuple[Job, Job]] | None  # inside `batch()`: job id -> (before it, now)
     jobs: dict[int, Job]
     inventory: Inventory
+    last_seen: dict[int, Gpu]
+    layouts_pending: set[int]
     scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
     _share_modes: tuple[tuple[Gpu, ...], DaemonConfig, dict[str, str]] | None  # share_modes() and its sources
     _dynamic_gpus: tuple[DaemonConfig, frozenset[int]] | None

@@ -12,7 +12,7 @@ from gpusched.core.scheduler import SetMigMode
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.recovery import StopRequest
-from gpusched.gpu.backend import Gpu, GpuError, XidEvent
+from gpusched.gpu.backend import Gpu, GpuError, Inventory, XidEvent
 from gpusched.gpu.health import HealthAction
 from gpusched.model import (
     Event,
@@ -32,6 +32,7 @@ class DevicesMixin(EngineCore):
             log.error("cannot read GPU inventory: %s", exc.message)
         else:
             self.inventory = fresh
+            self.last_seen.update((g.index, g) for g in fresh.gpus)
             if _placement_view(fresh.gpus) != _placement_view(self.scheduler_gpus):
                 self.scheduler_gpus = fresh.gpus
         self.checkpoints.observe(self.inventory)  # the driver version: r550+ to checkpoint, r580+ to move
@@ -40,10 +41,15 @@ class DevicesMixin(EngineCore):
         """An XID (or a lost GPU) from the driver: apply the policy to the jobs on those devices."""
         now = self.clock()
         self.metrics.record_xid(event.gpu_index, event.xid)
-        decision = self.devices.on_event(event, self.inventory, now)
+        decision = self.devices.on_event(event, self._inventory_for(event), now)
         hit = set(decision.devices)
         for job in self.active_jobs():
-            if job.allocation is None or not hit & set(job.allocation.uuids):
+            if job.allocation is None:
+                continue
+            # (a GPU lost before any inventory of this daemon saw it, e.g. while it was down: the
+            # event cannot name its devices, but the jobs recorded on it are hit all the same)
+            lost_here = event.lost and any(d.gpu_index == event.gpu_index for d in job.allocation.devices)
+            if not hit & set(job.allocation.uuids) and not lost_here:
                 continue
             self.store.add_event(Event(at=now, kind=decision.action.value, message=decision.reason,
                                        gpu=event.gpu_index, job_id=job.id))
@@ -54,6 +60,15 @@ class DevicesMixin(EngineCore):
             self._spawn(self.refresh_inventory())
         self._notify()  # watchers (gpusched top) show the event
         self.wake()
+
+    def _inventory_for(self, event: XidEvent) -> Inventory:
+        """The inventory an event is decided against: the current one, plus the GPU it is about as
+        it was last seen when the current one no longer lists it (a GPU that fell off the bus is
+        drained under its own UUIDs, which `gpus resume` knows, not under a key nothing resolves)."""
+        if any(g.index == event.gpu_index for g in self.inventory.gpus) or event.gpu_index not in self.last_seen:
+            return self.inventory
+        gpus = sorted((*self.inventory.gpus, self.last_seen[event.gpu_index]), key=lambda g: g.index)
+        return dataclasses.replace(self.inventory, gpus=tuple(gpus))
 
     def drain(self, device: str, reason: str) -> list[str]:
         return self.devices.drain(device, reason, self.inventory, self.clock())
@@ -90,18 +105,29 @@ class DevicesMixin(EngineCore):
             self.wake()
         return change, done
 
-    async def apply_static_layouts(self) -> None:
+    async def apply_static_layouts(self, only: set[int] | None = None) -> list[str]:
         """Give GPUs configured with `mig = [...]` that layout (idle instances only are changed), and switch
-        simulated GPUs configured with any MIG setting into MIG mode."""
+        simulated GPUs configured with any MIG setting into MIG mode (only while no job holds them).
+
+        Returns what could not be done, one line per GPU (`gpus.N.mig: why`); those GPUs are tried
+        again at each tick until it is done or the config changes (`retry_layouts`)."""
+        problems: list[str] = []
+        self.layouts_pending = set()
         for key, gpu_config in sorted(self.config.gpus.items()):
-            if gpu_config.mig is None:
-                continue
             index = int(key)
+            if gpu_config.mig is None or (only is not None and index not in only):
+                continue
             gpu = next((g for g in self.inventory.gpus if g.index == index), None)
             if gpu is None:
                 log.error("config gpus.%s: there is no GPU %s", key, key)
                 continue
             if not gpu.mig_enabled and simulator_of(self.backend) is not None:
+                holder = self._holder_of(index)
+                if holder is not None:  # (a simulated GPU switched under a job gave its slices away)
+                    problems.append(f"gpus.{key}.mig: GPU {index} is in use by job {holder}; it goes into MIG "
+                                    "mode once idle")
+                    self.layouts_pending.add(index)
+                    continue
                 await asyncio.to_thread(self.backend.set_mig_mode, index, True)  # a simulated GPU starts as told
                 await self.refresh_inventory()
             if gpu_config.mig == "dynamic":
@@ -109,12 +135,29 @@ class DevicesMixin(EngineCore):
             try:
                 change, done = await self.apply_mig_layout(index, gpu_config.mig, dry_run=False)
             except (DeviceError, GpuError) as exc:
-                log.error("config gpus.%s.mig: %s", key, getattr(exc, "message", str(exc)))
+                problems.append(f"gpus.{key}.mig: {getattr(exc, 'message', str(exc))}")
                 continue
             if change.error is not None:
-                log.error("config gpus.%s.mig: %s", key, change.error)
+                problems.append(f"gpus.{key}.mig: {change.error}; applied once GPU {index} is idle")
+                self.layouts_pending.add(index)
             for line in done:
                 log.info("GPU %d: %s", index, line)
+        for line in problems:
+            log.warning("config %s", line)
+        return problems
+
+    async def retry_layouts(self) -> None:
+        """Each tick: the configured layouts a busy GPU kept from being applied, once it is idle."""
+        idle = {i for i in self.layouts_pending if self._holder_of(i) is None}
+        if idle:
+            left = self.layouts_pending - idle
+            await self.apply_static_layouts(only=idle)
+            self.layouts_pending |= left
+
+    def _holder_of(self, gpu_index: int) -> int | None:
+        """A job holding the GPU or one of its instances, if any."""
+        return next((j.id for j in self.active_jobs() if j.allocation is not None
+                     and any(d.gpu_index == gpu_index for d in j.allocation.devices)), None)
 
     async def _set_mig_mode(self, action: SetMigMode) -> None:
         """Switch an idle dynamic GPU's MIG mode; the driver may leave it pending (a process appeared,

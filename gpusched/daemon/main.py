@@ -119,13 +119,14 @@ class Daemon:
             engine.scheduler = Scheduler(scheduler_config(applied), incremental=True)
             engine.scheduler.carry_over(old_scheduler)
             engine.requeue_all()
+        not_applied: list[str] = []
         if "gpus" in live:
-            await engine.apply_static_layouts()
+            not_applied = await engine.apply_static_layouts()
         if "job_mapping_dir" in live:
             engine._write_job_mapping()  # the new directory maps the jobs running now, not from the next change
         engine.wake()
         log.info("configuration reloaded: changed %s; needing a restart: %s", live or "nothing", restart or "nothing")
-        return ReloadResult(changed=live, restart_needed=restart)
+        return ReloadResult(changed=live, restart_needed=restart, not_applied=not_applied)
 
 
 # Settings bound to resources acquired at start (the socket, the database, the driver, cgroups, the

@@ -39,14 +39,19 @@ def lock_state_dir(config: DaemonConfig) -> StateLock:
 
 def check_gpu_configs(config: DaemonConfig, inventory: Inventory) -> None:
     """Raise ConfigError naming `gpus.N` for a GPU this node does not have, or a fixed layout its
-    model can never hold: at start (exit 2) and before a reload changes anything."""
+    model can never hold: at start (exit 2) and before a reload changes anything. A GPU that is on
+    the node but cannot be read now (`inventory.errors`: lost, failing) has its table kept: one bad
+    GPU must not stop the daemon from serving the others, nor every later reload."""
     gpus = {g.index: g for g in inventory.gpus}
     problems = []
     for key, gpu_config in sorted(config.gpus.items(), key=lambda item: int(item[0])):
         gpu = gpus.get(int(key))
+        if gpu is None and int(key) in inventory.errors:
+            continue  # on the node but unreadable now (lost, or failing): kept for when it is back
         if gpu is None:
-            have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPU"
-            problems.append(f"gpus.{key}: there is no GPU {key} (this node has {have})")
+            have = sorted(set(gpus) | set(inventory.errors))
+            problems.append(f"gpus.{key}: there is no GPU {key} (this node has "
+                            f"{'GPU(s) ' + ', '.join(map(str, have)) if have else 'no GPU'})")
         elif isinstance(gpu_config.mig, list):
             error = layout_error(gpu.model, gpu_config.mig)
             if error is not None:

@@ -94,15 +94,19 @@ def admin_reload(ctx: click.Context) -> None:
 
     Weights and quanta apply at once and nobody loses their place in the queue; settings bound to
     resources (socket, state_dir, sim, cgroup_root, metrics address) need a restart and are listed.
-    A bad file is refused with the reason and the daemon keeps its previous configuration.
+    A bad file is refused with the reason and the daemon keeps its previous configuration. A MIG
+    layout that a busy GPU keeps back is listed as not applied yet; it is applied once the GPU is free.
     """
     with connected(ctx) as client:
         result = client.request(messages.bare("reload"))
     with reading("reload", result):
         changed, restart_needed = list(result["changed"]), list(result["restart_needed"])
+        not_applied = [str(line) for line in result.get("not_applied", [])]
     echo("reloaded: " + (", ".join(changed) if changed else "no changes"))
     if restart_needed:
         echo("needs a restart to take effect: " + ", ".join(restart_needed))
+    for line in not_applied:
+        echo(f"not applied yet: {line}")
 
 
 @click.command()
