@@ -8,6 +8,7 @@ exit non-zero, so CI can run it too. It takes about 10 seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -161,7 +162,25 @@ class Demo:
         print("gpuschedd exited cleanly (0)")
 
     def cleanup(self) -> None:
-        if self.daemon is not None and self.daemon.poll() is None:
+        """Leave nothing behind after a failure or Ctrl-C too: cancel what still runs (a daemon that
+        stops leaves its jobs running, to re-adopt them), then stop the daemon as `stop_daemon`
+        does, and SIGKILL it only if it does not go."""
+        if self.daemon is None or self.daemon.poll() is not None:
+            return
+        with contextlib.suppress(Exception), Client(self.socket, timeout=5) as client:
+            jobs = client.request({"op": "queue", "all": False, "limit": 3000})["jobs"]
+            ids = [int(j["id"]) for j in jobs]
+            if ids:
+                client.request({"op": "cancel", "job_ids": ids})
+            deadline = time.monotonic() + 15
+            while ids and client.request({"op": "queue", "all": False, "limit": 3000})["jobs"]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        self.daemon.send_signal(signal.SIGTERM)
+        try:
+            self.daemon.wait(20)
+        except subprocess.TimeoutExpired:
             self.daemon.kill()
             self.daemon.wait(10)
 
@@ -177,6 +196,12 @@ def main() -> int:
     demo = Demo(base)
     try:
         demo.run()
+    except KeyboardInterrupt:
+        print("\ninterrupted: cancelling the demo's jobs and stopping gpuschedd", file=sys.stderr, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            demo.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+        return 130
     except (DemoFailed, subprocess.TimeoutExpired) as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         print(f"--- the end of the daemon's log ({demo.daemon_log}) ---", file=sys.stderr)

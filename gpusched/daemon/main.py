@@ -328,7 +328,9 @@ def sd_notify(message: str) -> None:
 @click.option("--sim", metavar="MODEL[:COUNT][,...]",
               help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2. "
               f"Models: {', '.join(MODEL_KEYS)}.")
-@click.option("--socket", "socket_path", help="Unix socket to listen on.")
+@click.option("--socket", "socket_path",
+              help="Unix socket to listen on [default: /run/gpusched/gpusched.sock as root, else "
+                   "$XDG_RUNTIME_DIR/gpusched/gpusched.sock, else /tmp/gpusched-$UID/gpusched.sock].")
 @click.option("--state-dir", help="Directory for the database, job records and logs.")
 @click.option("--mode", type=click.Choice(["standalone", "slurm-node"]),
               help="slurm-node: Slurm owns the queue (submit is refused); gpusched keeps the GPU layout and health "
