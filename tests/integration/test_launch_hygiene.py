@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusched.daemon.procfs import session_members
 from gpusched.model import JobSpec, JobState, WholeRequest
 from gpusched.protocol import LogsRequest, LogsResult
 from tests.conftest import DaemonHandle, DaemonProcess
@@ -22,22 +23,6 @@ from tests.integration.test_daemon import submit, wait_done
 from tests.integration.test_identity import as_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-
-
-def _session_members(sid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X") and int(fields[3]) == sid:
-            found.append(int(name))
-    return found
 
 
 # A job whose background process moves to a process group of its own (NOT a new session: setpgid,
@@ -71,7 +56,7 @@ def test_a_forking_process_in_the_jobs_session_does_not_outlive_the_job(
         job = wait_done(c, job_id).job
         assert job.state is JobState.COMPLETED, job.reason
         assert job.pid
-        left = _session_members(job.pid)  # (a survivor hops on for 3 s, then sleeps for 60)
+        left = session_members(job.pid)  # (a survivor hops on for 3 s, then sleeps for 60)
         try:
             assert left == [], f"{len(left)} process(es) of job {job_id}'s session outlived it: {left}"
         finally:
