@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from gpusched.core.migplan import LayoutChange, plan_layout_change
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory, XidEvent
-from gpusched.gpu.health import HealthAction, HealthDecision, HealthTracker, decide
+from gpusched.gpu.health import HealthAction, HealthDecision, HealthTracker, decide, gpu_device_key
 from gpusched.gpu.simnvml import SimNVML
 from gpusched.model import Event
 
@@ -94,7 +94,7 @@ class DeviceManager:
         drained = set(self.health.drained())
         out: set[str] = set(drained)
         for gpu in inventory.gpus:
-            if gpu.uuid in drained or gpu.index in inventory.errors:
+            if gpu.uuid in drained or gpu_device_key(gpu.index) in drained or gpu.index in inventory.errors:
                 out.add(gpu.uuid)
                 out.update(i.uuid for i in gpu.instances)
         return frozenset(out)
@@ -111,8 +111,18 @@ class DeviceManager:
         return drained
 
     def resume(self, device: str, inventory: Inventory, now: float, who: str) -> list[str]:
-        uuids = resolve_device(device, inventory)
-        resumed = [u for u in uuids if self.health.resume(u)]
+        drained = self.health.drained()
+        try:
+            uuids = resolve_device(device, inventory)
+        except DeviceError:
+            # a GPU lost before any inventory saw it is drained under its index (health.gpu_device_key)
+            if not device.isdigit() or gpu_device_key(int(device)) not in drained:
+                raise
+            uuids = []
+        index = next((g.index for g in inventory.gpus if device in (str(g.index), g.uuid)), None)
+        if device.isdigit() or index is not None:
+            uuids.append(gpu_device_key(int(device) if index is None else index))
+        resumed = [u for u in uuids if u in drained and self.health.resume(u)]
         if resumed:
             self.store.add_event(Event(at=now, kind="resume", message=f"resumed by {who}", device=",".join(resumed)))
             self._persist()

@@ -149,7 +149,9 @@ def test_a_gpu_lost_while_the_daemon_was_down_stops_its_jobs(daemon_factory: Cal
                     break
                 await asyncio.sleep(0.05)
             ready["job"] = daemon.engine.get(job)
-            ready["drained"] = daemon.engine.devices.health.drained()
+            ready["drained"] = dict(daemon.engine.devices.health.drained())
+            # drained under its index (no inventory showed its UUID): `gpus resume 1` must reach it
+            ready["resumed"] = daemon.engine.resume_device("1", "root")
         finally:
             await daemon_main.stop(daemon)
 
@@ -159,3 +161,4 @@ def test_a_gpu_lost_while_the_daemon_was_down_stops_its_jobs(daemon_factory: Cal
     # and _on_gpu_event matches jobs by UUID only: the job on GPU 1 is never stopped.
     assert got.state is not JobState.RUNNING, (
         f"job {job} still {got.state.value} on lost GPU 1; drains: {sorted(ready['drained'])}")
+    assert "gpu-index:1" in ready["drained"] and ready["resumed"] == ["gpu-index:1"], ready
