@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpusched.wire import MAX_MEM_MIB
+
 
 class JobState(StrEnum):
     """Life of a job; see ARCHITECTURE.md §5 for the legal transitions."""
@@ -141,7 +143,8 @@ class JobSpec(_Frozen):
     precision: Precision | None = None
     after: list[Dependency] = Field(default_factory=list, max_length=64)
     cpus: int | None = Field(default=None, ge=1, le=4096, description="host CPU cores")
-    mem_mib: int | None = Field(default=None, ge=1, description="host memory limit in MiB")
+    # at most what memory.max takes: a bigger one could only fail at launch
+    mem_mib: int | None = Field(default=None, ge=1, le=MAX_MEM_MIB, description="host memory limit in MiB")
 
     @field_validator("cwd")
     @classmethod

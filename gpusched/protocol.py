@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from gpusched.arrayspec import MAX_SPEC_CHARS, MAX_TASK_INDEX, ArraySpecError, parse_array_spec
-from gpusched.model import JobId, JobSpec, ShareRequest, bounded
+from gpusched.model import JobId, JobSpec, bounded
 
 # The results (protocol_results.py) and the plain part (framing, codes, version, sockets, in
 # gpusched.wire so the client can use it without pydantic) are re-exported here, so
@@ -58,6 +58,7 @@ from gpusched.protocol_results import error as error
 from gpusched.protocol_results import ok as ok
 from gpusched.protocol_results import ok_body as ok_body
 from gpusched.protocol_results import unset as _unset
+from gpusched.submittable import check_submittable
 from gpusched.wire import HEADER as HEADER
 from gpusched.wire import MAX_FRAME as MAX_FRAME
 from gpusched.wire import MIN_SHARE as MIN_SHARE
@@ -105,17 +106,7 @@ class SubmitRequest(_Req):
     @field_validator("spec")
     @classmethod
     def _submittable(cls, spec: JobSpec) -> JobSpec:
-        # On submit only (stored jobs still load). JSON carries lone surrogates ("\udcff") that no
-        # file, process or database takes as text: refused here, not an internal error at the write.
-        for what, values in (("argv", spec.argv), ("env", [f"{k}={v}" for k, v in spec.env.items()])):
-            try:
-                "\0".join(values).encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"{what} holds text that is not valid Unicode (a lone surrogate)") from None
-        # MPS caps SMs in whole percent (launch.py): a smaller share got 1 %, charged its tiny fraction
-        if isinstance(spec.request, ShareRequest) and spec.request.fraction < MIN_SHARE:
-            raise ValueError(f"request.fraction {spec.request.fraction:g} is below {MIN_SHARE:g}: a share is at least "
-                             f"1% of a GPU (MPS caps a client's SMs in whole percent)")
+        check_submittable(spec)  # (on submit only: stored jobs still load)
         return spec
 
     @field_validator("array")

@@ -21,6 +21,7 @@ MAX_FRAME = 1 << 20  # 1 MiB
 # The smallest share a submit may ask for: MPS caps a client's SMs in whole percent, so a smaller
 # one would run with 1 % and be charged its own tiny fraction (checked by SubmitRequest and the CLI).
 MIN_SHARE = 0.01
+MAX_MEM_MIB = 2**43 - 1  # --mem: what cgroup v2's memory.max takes (2^63 - 1 bytes), in MiB
 HEADER = struct.Struct(">I")
 
 

@@ -112,15 +112,17 @@ def parse_export(text: str, environ: Mapping[str, str]) -> dict[str, str]:
     from the submitting environment, skipped if unset) and `NAME=value`, optionally starting with
     `ALL` to add to the whole environment instead of to nothing.
     """
-    items = [item.strip() for item in text.split(",") if item.strip()]
+    # Blanks around an item's name are not part of it; a value is taken as given, as sbatch does.
+    items = [item.lstrip() for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError("give ALL, NONE, or a comma-separated list of NAME or NAME=value")
-    head = items[0].upper()
+    head = items[0].strip().upper()
     if head == "NONE" and len(items) == 1:
         return {}
     env: dict[str, str] = dict(environ) if head == "ALL" else {}
     for item in items[1:] if head in ("ALL", "NONE") else items:
         name, eq, value = item.partition("=")
+        name = name.strip()
         if not _ENV_NAME.match(name):
             raise ValueError(f"{name!r} is not a variable name")
         if eq:

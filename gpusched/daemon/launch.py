@@ -214,19 +214,26 @@ def allocation_env(job: Job, allocation: Allocation, config: DaemonConfig) -> di
     return env
 
 
+# Variables gpusched sets for an allocation, an MPS share or an array task: a submitter's own (a job
+# that submits jobs, from inside a share or an array task) must not reach a job that is not one.
+_OWNED_PREFIXES = ("GPUSCHED_", "CUDA_MPS_")
+
+
 def job_env(job: Job, added: dict[str, str]) -> dict[str, str]:
-    """Login defaults, then the submitter's exported environment, then what gpusched adds.
+    """Login defaults, then the submitter's exported environment less the variables gpusched owns,
+    then what gpusched adds for this job.
 
     The defaults mean `--export NONE` still gives a job HOME, USER, LOGNAME, SHELL and PATH.
     """
-    return login_defaults(job) | dict(job.spec.env) | added
+    exported = {k: v for k, v in job.spec.env.items() if not k.startswith(_OWNED_PREFIXES)}
+    return login_defaults(job) | exported | added
 
 
 def login_defaults(job: Job) -> dict[str, str]:
     try:
         entry = pwd.getpwuid(job.uid)
     except KeyError:
-        return {"PATH": DEFAULT_PATH, "HOME": "/", "USER": job.user, "LOGNAME": job.user}
+        return {"PATH": DEFAULT_PATH, "HOME": "/", "USER": job.user, "LOGNAME": job.user, "SHELL": "/bin/sh"}
     return {"PATH": DEFAULT_PATH, "HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name,
             "SHELL": entry.pw_shell or "/bin/sh"}
 

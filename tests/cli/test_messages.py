@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 import pytest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gpusched import model
 from gpusched.model import Dependency, JobSpec, MigRequest, ShareRequest, WholeRequest
@@ -36,6 +36,7 @@ from gpusched.protocol import (
     WaitRequest,
     encode_frame,
 )
+from gpusched.submittable import check_submittable
 from gpusched_cli import messages, render, results
 from gpusched_cli.commands import submit as submit_cmd
 from gpusched_cli.main import COMMANDS, cli
@@ -183,9 +184,10 @@ EDGES: list[dict[str, Any]] = [
 
 
 def _model_accepts(spec: dict[str, Any]) -> bool:
+    """The model, and what a submit checks beyond it (gpusched.submittable)."""
     try:
-        JobSpec.model_validate(spec)
-    except ValidationError:
+        check_submittable(JobSpec.model_validate(spec))
+    except ValueError:  # (ValidationError is one)
         return False
     return True
 

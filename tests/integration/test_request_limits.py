@@ -37,6 +37,7 @@ from gpusched.protocol import (
     decode_body,
     encode_frame,
 )
+from gpusched.submittable import MAX_ARG_STRLEN
 from gpusched_cli.main import cli
 from tests.conftest import DaemonHandle, wait_until
 from tests.integration.test_identity import as_user
@@ -169,7 +170,9 @@ def test_a_restart_sums_the_waiting_counts_in_sql_to_what_the_engine_counted(
 
 def test_permission_is_checked_before_any_spec_is_loaded_and_ids_are_deduplicated(daemon: DaemonHandle) -> None:
     """10,000 copies of another user's finished 1 MB job stalled everyone for 87 s before `permission_denied`."""
-    big = _spec("true", env={"PATH": "/usr/bin:/bin", "BIG": "x" * (MAX_SPEC_BYTES - 200)})
+    # near the spec limit, in variables execve takes (each under MAX_ARG_STRLEN)
+    big = _spec("true", env={"PATH": "/usr/bin:/bin", **{f"BIG{i}": "x" * 100_000 for i in range(2)},
+                             "BIG2": "x" * (MAX_SPEC_BYTES - 200_300)})
     [reply] = as_user(OTHER_UID, daemon.socket, {"op": "submit", "spec": big.model_dump(mode="json"), "hold": True})
     theirs = reply["result"]["job_id"]
     with daemon.client() as c:
@@ -230,14 +233,15 @@ ESCAPES = "\x1b[2J\x1b]52;c;ZXZpbA==\x07\x9b31m\u202eevil"
 
 def test_huge_program_names_and_terminal_escapes_do_not_break_queue_or_top(daemon: DaemonHandle) -> None:
     """Five held jobs with a 250 KB argv[0] made every `queue` and `top` reply exceed 1 MiB; names with
-    escapes cleared other users' screens and wrote their clipboards."""
-    long_program = "/" + "p" * (MAX_SPEC_BYTES - 1000)
+    escapes cleared other users' screens and wrote their clipboards. (argv[0] is now at most what
+    execve takes, 128 KiB: nine of those are over 1 MiB too.)"""
+    long_program = "/" + "p" * (MAX_ARG_STRLEN - 10)
     with daemon.client() as c:
-        for _ in range(5):
+        for _ in range(9):
             _submit(c, _spec(long_program))
         named = _submit(c, _spec("true", name=ESCAPES))
         listed = c.call(QueueRequest(), QueueResult)
-    assert len(listed.jobs) == 6 and all(len(j.name) <= MAX_DISPLAY_NAME for j in listed.jobs)
+    assert len(listed.jobs) == 10 and all(len(j.name) <= MAX_DISPLAY_NAME for j in listed.jobs)
     runner = CliRunner()
     for args in (["queue"], ["top", "--once"], ["show", str(named)], ["queue", "--all"]):
         result = runner.invoke(cli, ["--socket", daemon.socket, *args], catch_exceptions=False)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import click
 
 from gpusched.arrayspec import ArraySpecError, parse_array_spec
-from gpusched.wire import MIN_SHARE
+from gpusched.wire import MAX_MEM_MIB, MIN_SHARE
 from gpusched_cli import messages, render, resubmit
 from gpusched_cli.client import Client
 from gpusched_cli.common import connected, echo, print_json
@@ -198,6 +198,22 @@ MAX_PROFILE = 32
 MAX_AFTER = 64
 
 
+def submitting_environ() -> dict[str, str]:
+    """The environment `submit` passes on. In the C locale Python adds LC_CTYPE=C.UTF-8 to its own
+    environment at start (PEP 538): a job from cron or a bare ssh must not get a locale its
+    submitter never had, so that one variable is left out when the process was not started with it."""
+    env = dict(os.environ)
+    if env.get("LC_CTYPE") == "C.UTF-8":
+        try:
+            with open("/proc/self/environ", "rb") as f:
+                started_with = {item.partition(b"=")[0] for item in f.read().split(b"\0")}
+        except OSError:
+            return env
+        if b"LC_CTYPE" not in started_with:
+            del env["LC_CTYPE"]
+    return env
+
+
 def might_be_invalid(spec: dict[str, Any]) -> bool:
     """True unless `spec` is certainly within JobSpec's limits (flag values are checked already).
 
@@ -215,6 +231,7 @@ def might_be_invalid(spec: dict[str, Any]) -> bool:
         or any("\x00" in arg for arg in spec["argv"])
         or (request["kind"] == "mig" and len(request["profile"]) > MAX_PROFILE)
         or len(spec["after"]) > MAX_AFTER
+        or (spec["mem_mib"] or 0) > MAX_MEM_MIB
     )
 
 
@@ -234,16 +251,26 @@ def check_with_model(spec: dict[str, Any]) -> None:
 
     from gpusched.model import JobSpec
     from gpusched.protocol import describe_validation_error
+    from gpusched.submittable import check_submittable
 
     try:
-        JobSpec.model_validate(spec)
+        check_submittable(JobSpec.model_validate(spec))
     except ValidationError as exc:
         path = describe_validation_error(exc).split(":", 1)[0]
         flag = next((f for field, f in _FLAG_OF_FIELD.items() if path == field or path.startswith(field + ".")),
                     None)
+        message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        if not exc.errors()[0]["loc"]:  # the spec as a whole (its size): what to shrink is in the message
+            raise click.UsageError(f"the job's CMD, --export environment, directory and --name: {message}") from None
         if flag is None:
             raise click.UsageError(describe_validation_error(exc)) from None
-        raise click.BadParameter(exc.errors()[0]["msg"], param_hint=f"'{flag}'") from None
+        raise click.BadParameter(message, param_hint=f"'{flag}'") from None
+    except ValueError as exc:  # check_submittable: "argv: ..." or "env: ..."
+        where, _, why = str(exc).partition(": ")
+        hint = {"argv": "CMD", "env": "--export"}.get(where)
+        if hint is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(why, param_hint=f"'{hint}'") from None
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -316,7 +343,7 @@ def submit(
         raise click.BadParameter("the program to run is empty", param_hint="'-- CMD'")
     request = build_request(gpus, mig, share, gpu_mem)
     try:
-        env = parse_export(export, os.environ)
+        env = parse_export(export, submitting_environ())
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--export") from None
     cwd = _working_directory()
