@@ -373,7 +373,8 @@ def test_a_spec_too_big_to_show_is_refused_and_a_big_one_still_shows(daemon: Dae
         reply = c.raw_call(huge)
         assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
         assert f"at most {MAX_SPEC_BYTES} are accepted" in reply["error"]["message"]
-        spec = JobSpec(argv=["true"], cwd="/tmp", env={"BIG": "x" * (MAX_SPEC_BYTES - 100)},
+        spec = JobSpec(argv=["true"], cwd="/tmp",  # (each variable under what execve takes: 128 KiB)
+                       env={"BIG": "x" * 100_000, "BIG2": "x" * 100_000, "BIG3": "x" * (MAX_SPEC_BYTES - 200_100)},
                        request=WholeRequest(gpus=1))
         job_id = c.call(SubmitRequest(spec=spec, hold=True), SubmitResult).job_id
     for request in ({"op": "show", "job_id": job_id}, {"op": "wait", "job_id": job_id, "timeout_s": 0}):
