@@ -288,3 +288,19 @@ class Event(_Frozen):
     gpu: int | None = None
     device: str | None = None
     job_id: int | None = None
+
+
+def run_seconds(job: Job, now: float) -> float:
+    """Time the job has spent RUNNING in its current run (suspended time does not count)."""
+    total, since = 0.0, None
+    for t in job.history:
+        if t.state is JobState.RUNNING:
+            since = t.at
+        elif since is not None:
+            total += t.at - since
+            since = None
+        if t.state is JobState.PENDING:  # a requeue starts a new run
+            total, since = 0.0, None
+    if since is not None:
+        total += now - since
+    return total

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from signal import SIGTERM
 from typing import TYPE_CHECKING
 
 from gpusched.wire import ErrorCode
-from gpusched_cli.results import CANCELLED, COMPLETED, JSON, LOST, TIMEOUT, plain
+from gpusched_cli.results import CANCELLED, COMPLETED, FAILED, JSON, LOST, TIMEOUT, plain
 
 if TYPE_CHECKING:
     from gpusched.model import Job
@@ -76,6 +77,11 @@ def job_exit_status(job: Job | JSON) -> int:
         return EXIT_JOB_LOST
     if signal is not None:
         return 128 + int(signal)
+    if state == FAILED and exit_code == 0:
+        # FAILED although its program exited 0: the daemon stopped it with SIGTERM (its GPU failed,
+        # or it went over --gpu-mem) and the program saved its work and exited cleanly. Never 0,
+        # so `submit --wait ... && next` does not go on; 143 as if SIGTERM had ended it.
+        return 128 + SIGTERM
     if exit_code is not None:
         return int(exit_code) & 0xFF if exit_code >= 0 else EXIT_JOB_NOT_RUN
     return EXIT_OK if state == COMPLETED else EXIT_JOB_NOT_RUN

@@ -313,8 +313,10 @@ def final_state_text(job: Job | JSON) -> str:
     text = f"Job {shown['id']} {shown['state']}"
     if detail != "-":
         text += f", {detail}"
-    # An exit status says it all for jobs that ran to their end; other endings have a reason worth reading.
-    if shown.get("reason") and (shown["state"] not in (COMPLETED, FAILED) or detail == "-"):
+    # An exit status says it all for jobs that ran to their end; other endings have a reason worth
+    # reading, and so does a FAILED job whose program exited 0 (the daemon stopped it: a GPU fault).
+    failed_by_daemon = shown["state"] == FAILED and shown.get("exit_code") == 0
+    if shown.get("reason") and (shown["state"] not in (COMPLETED, FAILED) or detail == "-" or failed_by_daemon):
         text += f": {shown['reason']}"
     return text
 

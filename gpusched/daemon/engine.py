@@ -91,6 +91,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self._yielded: set[int] = set()  # shares the scheduler suspended in place (store meta `yielded`)
         self._history_saved_at = float("-inf")
         self.inventory = Inventory(gpus=())
+        self._run_anchors: dict[int, tuple[int, float, float]] = {}  # time limits on the monotonic clock
         self.layouts_pending: set[int] = set()  # GPUs whose configured MIG layout waits for them to be idle
         self.last_seen: dict[int, Gpu] = {}  # every GPU an inventory has shown, as it was last (engine_devices)
         self.scheduler_gpus: tuple[Gpu, ...] = ()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -35,6 +36,7 @@ from gpusched.model import (
     Dependency,
     Job,
     JobState,
+    run_seconds,
 )
 
 log = logging.getLogger("gpusched.engine")
@@ -63,6 +65,7 @@ class EngineCore:
     inventory: Inventory
     last_seen: dict[int, Gpu]
     layouts_pending: set[int]
+    _run_anchors: dict[int, tuple[int, float, float]]
     scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
     _share_modes: tuple[tuple[Gpu, ...], DaemonConfig, dict[str, str]] | None  # share_modes() and its sources
     _dynamic_gpus: tuple[DaemonConfig, frozenset[int]] | None
@@ -213,6 +216,12 @@ class EngineCore:
     def _request_stop(self, job: Job, stop: StopRequest) -> None:
         """SIGTERM the job's process group now, SIGKILL after the grace period."""
         if job.id in self._kill_timers:
+            under_way = self._stops.get(job.id)
+            if under_way is not None and under_way.final is JobState.PREEMPTED and stop.final is JobState.CANCELLED:
+                # A cancel wins over a requeue already under way (a preemption, a drained GPU): the
+                # owner wants the job gone, and it would come back. The signals sent stand.
+                self._stops[job.id] = stop
+                self._persist_stops()
             return
         self._stops[job.id] = stop
         self._persist_stops()
@@ -264,6 +273,7 @@ class EngineCore:
                 self._spawn(self.launcher.stop_mps(uuid, job.uid, self._mps_still_idle(uuid, job.uid, job.id)))
             for uuid, uid in self.launcher.mps_ended(job):  # the user's other shares there: caps down to them
                 self._spawn(self.launcher.update_mps_caps(uuid, uid))
+        self._run_anchors.pop(job_id, None)
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()
@@ -293,6 +303,9 @@ class EngineCore:
             first = self._batch_log.get(job.id)
             self._batch_log[job.id] = (first[0] if first is not None else job, updated)
         log.info("job %d: %s -> %s (%s)", job.id, job.state, state, reason)
+        if state is JobState.RUNNING:  # its time limit counts on the monotonic clock from here (engine_recovery)
+            self._run_anchors[job.id] = (len(updated.history), time.monotonic(),
+                                         run_seconds(updated, updated.history[-1].at))
         self._follow(job, updated)
         return updated
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import sqlite3
+import time
 
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Trace
@@ -22,6 +23,7 @@ from gpusched.model import (
     TERMINAL_STATES,
     Job,
     JobState,
+    run_seconds,
 )
 
 log = logging.getLogger("gpusched.engine")
@@ -182,8 +184,23 @@ class RecoveryMixin(EngineCore):
         for job in self.active_jobs():
             limit = job.spec.time_limit_s
             if job.state is JobState.RUNNING and limit is not None and job.id not in self._stops \
-                    and run_seconds(job, now) > limit:
-                self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {limit:g}s reached"))
+                    and self._run_time(job, now) > limit:
+                # (not :g alone, which writes a 14-day limit as 1.2096e+06)
+                shown = f"{limit:g}" if limit < 1e6 else f"{limit:.0f}"
+                self._request_stop(job, StopRequest(JobState.TIMEOUT, f"time limit of {shown}s reached"))
+
+    def _run_time(self, job: Job, now: float) -> float:
+        """The job's running time for its limit: from its history (wall clock, which a restart
+        needs) up to the first time this daemon measures it in its current state, then by the
+        monotonic clock, so a step of the wall clock (NTP, `date -s`) neither ends a job early nor
+        lets it run past --time. A change of state (a suspend, a requeue) measures it afresh."""
+        mono = time.monotonic()
+        anchor = self._run_anchors.get(job.id)
+        if anchor is None or anchor[0] != len(job.history):
+            base = run_seconds(job, now)
+            self._run_anchors[job.id] = (len(job.history), mono, base)
+            return base
+        return anchor[2] + (mono - anchor[1])
 
     async def _watch_gpu_memory(self) -> None:
         """In `timeslice` mode nothing in the hardware caps memory: end a job that uses more than it asked."""
@@ -199,22 +216,6 @@ class RecoveryMixin(EngineCore):
             if limit is not None and used.get(job.id, 0) > limit:
                 reason = f"gpu_mem exceeded: its processes use {used[job.id]} MiB, over its --gpu-mem of {limit} MiB"
                 self._request_stop(job, StopRequest(JobState.FAILED, reason))
-
-
-def run_seconds(job: Job, now: float) -> float:
-    """Time the job has spent RUNNING in its current run (suspended time does not count)."""
-    total, since = 0.0, None
-    for t in job.history:
-        if t.state is JobState.RUNNING:
-            since = t.at
-        elif since is not None:
-            total += t.at - since
-            since = None
-        if t.state is JobState.PENDING:  # a requeue starts a new run
-            total, since = 0.0, None
-    if since is not None:
-        total += now - since
-    return total
 
 
 def _load_ids(saved: str | None) -> list[int]:
