@@ -107,8 +107,8 @@ class DaemonConfig(BaseModel):
         "long after they ended; `queue --all`, `show` and `stats` see what is kept"
     )
     max_finished_jobs: int = Field(
-        default=10_000, ge=0, description="keep at most this many finished jobs, the newest; older ones are "
-        "deleted even within finished_job_retention_s"
+        default=10_000, ge=0, description="keep at most this many finished jobs, the newest (the last to end); "
+        "older ones are deleted even within finished_job_retention_s"
     )
     gpus: dict[str, GpuConfig] = Field(default_factory=dict, description="per-GPU settings keyed by GPU index")
     fairness: FairnessSection = Field(default_factory=FairnessSection, description="fair-share weights and quanta")

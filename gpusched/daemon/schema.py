@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     spec_bytes INTEGER  -- what it counts against max_pending_bytes_per_user (a task: its share of the array's)
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+-- Finished jobs by when they ended (pruning keeps the newest): partial, so a submit adds nothing to it.
+CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(ended_at, id) WHERE ended_at IS NOT NULL;
 -- One row per job array; its tasks are rows of `jobs` (array_id, array_task) whose own spec is ''
 -- (they all share this one: 10,000 tasks must not store 10,000 copies of a 256 KiB environment).
 -- An array's id comes from the jobs' id sequence, so an id names a job or an array, never both.

@@ -224,9 +224,12 @@ class Store(StoreReader):
         terminal = [s.value for s in TERMINAL_STATES]
         marks = ", ".join("?" for _ in terminal)
         protected = set(protect)
-        cutoff = self._db.execute(f"SELECT id FROM jobs WHERE state IN ({marks}) ORDER BY id DESC LIMIT 1 OFFSET ?",
-                                  (*terminal, keep)).fetchone() if keep >= 0 else None
-        newest_doomed = cutoff[0] if cutoff is not None else 0  # this id and older are beyond `keep`
+        # The newest `keep` are the last to have ended (not the highest ids: a two-day job that ends
+        # after a sweep of short ones must not lose its record and log to them at once).
+        cutoff = self._db.execute(
+            f"SELECT ended_at, id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
+            "ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?", (*terminal, keep)).fetchone() if keep >= 0 else None
+        doomed_end, doomed_id = cutoff if cutoff is not None else (float("-inf"), 0)  # this one and older go
         # `--after ARRAY` reads how the array ended from the set of states its tasks ended in
         # (engine_core._dependency_status), so a protected array keeps one task per state, not all of
         # them: one held job's 64 `--after` slots could otherwise keep 64 arrays of 10,001 tasks.
@@ -234,8 +237,9 @@ class Store(StoreReader):
             "SELECT MIN(id) FROM jobs WHERE array_id IN (SELECT value FROM json_each(?)) GROUP BY array_id, state",
             (json.dumps(sorted(protected)),))}
         candidates = self._db.execute(
-            f"SELECT id FROM jobs WHERE state IN ({marks}) AND (ended_at < ? OR id <= ?) ORDER BY id LIMIT ?",
-            (*terminal, ended_before, newest_doomed, batch + len(protected)),
+            f"SELECT id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
+            "AND (ended_at < ? OR (ended_at, id) <= (?, ?)) ORDER BY ended_at, id LIMIT ?",
+            (*terminal, ended_before, doomed_end, doomed_id, batch + len(protected)),
         ).fetchall()
         ids = [r[0] for r in candidates if r[0] not in protected][:batch]
         if not ids:

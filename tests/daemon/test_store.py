@@ -29,6 +29,18 @@ def _spec(program: str, name: str | None = None) -> JobSpec:
     return JobSpec(argv=[program], cwd="/tmp", request=WholeRequest(gpus=2), name=name)
 
 
+def test_max_finished_jobs_keeps_the_last_to_end_not_the_highest_ids(tmp_path: Path) -> None:
+    """A long job (the lowest id) that ends after a sweep of short ones is the newest finished job:
+    pruning by id deleted it, and its log, at once (retention audit)."""
+    store = Store(str(tmp_path / "gpusched.db"))
+    jobs = [store.submit(uid=1, gid=1, user="u", spec=_spec(f"/bin/p{i}"), now=0.0) for i in range(4)]
+    for job, ended in zip(jobs, (100.0, 50.0, 60.0, 70.0), strict=True):
+        store.transition(job, JobState.CANCELLED, now=ended, reason="cancelled", ended_at=ended)
+    assert store.prune_finished(ended_before=0.0, keep=2) == [jobs[1].id, jobs[2].id]
+    assert store.get(jobs[0].id) is not None and store.get(jobs[3].id) is not None
+    store.close()
+
+
 def test_a_schema_1_database_gets_its_listing_columns(tmp_path: Path) -> None:
     path = tmp_path / "gpusched.db"
     db = sqlite3.connect(path)
