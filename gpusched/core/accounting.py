@@ -16,7 +16,7 @@ from gpusched.model import ACTIVE_STATES, Job, JobState
 
 @dataclass(frozen=True, slots=True)
 class UserStats:
-    """One user's figures over a window. Service is in GPU-seconds (compute fraction x wall time)."""
+    """One user's figures over a window. Service is in GPU-seconds (compute fraction x wall time not suspended)."""
 
     user: str
     weight: float
@@ -79,11 +79,18 @@ def waits(job: Job) -> list[Wait]:
     return out
 
 
+_CHARGED = frozenset({JobState.STARTING, JobState.RUNNING})  # as the scheduler charges: not while suspended
+
+
 def service_in_window(job: Job, since: float, now: float) -> tuple[float, float]:
-    """(wall seconds active, GPU-seconds of service) that fall inside [since, now]."""
+    """(wall seconds holding devices, GPU-seconds of service) that fall inside [since, now]. Service
+    leaves out time suspended, as the scheduler does (its share and Jain's index measure what it
+    balances); the held time counts it (the devices were the job's)."""
     fraction = job.allocation.compute_fraction if job.allocation is not None else 0.0
     wall = sum(max(0.0, min(end, now) - max(start, since)) for start, end in active_intervals(job, now))
-    return wall, wall * fraction
+    charged = sum(max(0.0, min(now if end is None else end, now) - max(start, since))
+                  for start, end in state_spans(job, _CHARGED))
+    return wall, charged * fraction
 
 
 def user_stats(jobs: Iterable[Job], since: float, now: float, weight_of: Callable[[str], float]) -> list[UserStats]:

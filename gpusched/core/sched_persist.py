@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpusched.core.sched_core import SchedulerCore
+from gpusched.model import Job
 
 # What a scheduler hands over, as (meta key, exporter, loader, what a damaged record costs): to the
 # store across a restart (daemon/standing.py) and to the next scheduler at a reload (carry_over).
@@ -78,6 +79,18 @@ class PersistMixin(SchedulerCore):
         time of the downtime is charged to their users like any other."""
         if isinstance(saved, (int, float)) and not isinstance(saved, bool):
             self._charged_until = float(saved)
+
+    def charge_ended_while_away(self, job: Job) -> None:
+        """A job that ran on after the saved standing was taken and ended before this scheduler's
+        first pass (while no daemon ran): its user is charged the GPU time from where the standing
+        stopped charging it to its end, as a job still running at the restart is charged for the
+        downtime. Call before the first plan."""
+        if self._charged_until is None or job.ended_at is None or job.allocation is None:
+            return
+        since = max(self._charged_until, job.started_at if job.started_at is not None else self._charged_until)
+        service = job.allocation.compute_fraction * max(0.0, job.ended_at - since)
+        if service > 0:
+            self.fair.charge(job.user, service)
 
     def export_held_head(self) -> int | None:
         """The job holding its place at the head (`hold_head_after_s`), for the store."""

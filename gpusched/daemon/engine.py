@@ -124,6 +124,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self._gpu_state_moves: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.passes = 0
+        self.ended_unsaved = False  # a job ended since the standing was last saved
         self.shutting_down = False
 
     async def start(self) -> None:
@@ -229,26 +230,6 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
             yielded=frozenset(self._yielded),
         )
 
-    def _reserved_interactive(self) -> frozenset[str]:
-        out: set[str] = set()
-        for gpu in self.inventory.gpus:
-            gpu_config = self.config.gpus.get(str(gpu.index))
-            if gpu_config is not None and gpu_config.interactive:
-                out.add(gpu.uuid)
-                out.update(i.uuid for i in gpu.instances)
-        return frozenset(out)
-
-    def _mps_owners(self) -> dict[str, int]:
-        """An MPS server serves one uid at a time: the uid of the shares running on each device."""
-        owners: dict[str, int] = {}
-        modes = self.share_modes()
-        for job in self.active_jobs():
-            if job.allocation is not None and job.allocation.share is not None:
-                for uuid in job.allocation.uuids:
-                    if modes.get(uuid) == "mps":
-                        owners[uuid] = job.uid
-        return owners
-
     def requeue_all(self) -> None:
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
         the checkpointed ones pinned to the GPUs they may resume on."""
@@ -272,7 +253,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self._fail_broken_dependencies()
         self._release_met_dependencies()
         actions = self.scheduler.plan(self.snapshot(), self.clock())
-        if actions or self.passes % 30 == 0:
+        # (after a job's end too: the pass settled its charge, which a kill -9 must not lose)
+        if actions or self.ended_unsaved or self.passes % 30 == 0:
             try:
                 self._persist_standing()
             except Exception:  # (a full disk): the standing is saved again after the next pass
@@ -396,5 +378,6 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         now = self.clock()
         history = final or now - self._history_saved_at >= _HISTORY_EVERY_S
         save_scheduler_state(self.store, self.scheduler, history=history)
+        self.ended_unsaved = False
         if history:
             self._history_saved_at = now

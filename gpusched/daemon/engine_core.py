@@ -65,6 +65,7 @@ class EngineCore:
     inventory: Inventory
     last_seen: dict[int, Gpu]
     layouts_pending: set[int]
+    ended_unsaved: bool
     _run_anchors: dict[int, tuple[int, float, float]]
     scheduler_gpus: tuple[Gpu, ...]  # inventory.gpus, kept as the same object while placement sees no change
     _share_modes: tuple[tuple[Gpu, ...], DaemonConfig, dict[str, str]] | None  # share_modes() and its sources
@@ -274,6 +275,7 @@ class EngineCore:
             for uuid, uid in self.launcher.mps_ended(job):  # the user's other shares there: caps down to them
                 self._spawn(self.launcher.update_mps_caps(uuid, uid))
         self._run_anchors.pop(job_id, None)
+        self.ended_unsaved = True
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()

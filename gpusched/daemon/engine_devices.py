@@ -70,6 +70,26 @@ class DevicesMixin(EngineCore):
         gpus = sorted((*self.inventory.gpus, self.last_seen[event.gpu_index]), key=lambda g: g.index)
         return dataclasses.replace(self.inventory, gpus=tuple(gpus))
 
+    def _reserved_interactive(self) -> frozenset[str]:
+        out: set[str] = set()
+        for gpu in self.inventory.gpus:
+            gpu_config = self.config.gpus.get(str(gpu.index))
+            if gpu_config is not None and gpu_config.interactive:
+                out.add(gpu.uuid)
+                out.update(i.uuid for i in gpu.instances)
+        return frozenset(out)
+
+    def _mps_owners(self) -> dict[str, int]:
+        """An MPS server serves one uid at a time: the uid of the shares running on each device."""
+        owners: dict[str, int] = {}
+        modes = self.share_modes()
+        for job in self.active_jobs():
+            if job.allocation is not None and job.allocation.share is not None:
+                for uuid in job.allocation.uuids:
+                    if modes.get(uuid) == "mps":
+                        owners[uuid] = job.uid
+        return owners
+
     def drain(self, device: str, reason: str) -> list[str]:
         return self.devices.drain(device, reason, self.inventory, self.clock())
 

@@ -79,8 +79,13 @@ class RecoveryMixin(EngineCore):
         else:
             if strays:
                 log.info("quit %d MPS control daemon(s) whose shares ended while gpuschedd was down", strays)
+        was_active = [job.id for job in self.active_jobs()]
         for job in list(self.jobs.values()):
             self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
+        for job_id in was_active:  # ended while no daemon ran: their users are charged the downtime too
+            ended = self.jobs.get(job_id) or self.store.get(job_id)
+            if ended is not None and ended.state in TERMINAL_STATES:
+                self.scheduler.charge_ended_while_away(ended)
         for uuid, uid in self.launcher.mps.servers():  # caps as the shares that are still there
             if uid is not None:
                 self._spawn(self.launcher.update_mps_caps(uuid, uid))

@@ -3,7 +3,7 @@
 Waits come from `core.accounting.waits` (runnable -> started, as `gpusched stats` measures them),
 and Jain's index from `core.accounting.jain_index`, so a replay figure means what the daemon's does.
 Service is integrated from the simulator's allocation segments: for every policy but fifo-timeslice
-that equals `accounting.service_in_window` (compute fraction x wall time held); time-sliced jobs
+that equals `accounting.service_in_window` (compute fraction x wall time held, not suspended); time-sliced jobs
 hold 1/k of a GPU while k jobs share it, which a fixed allocation cannot express.
 """
 

@@ -37,6 +37,16 @@ def test_active_intervals_include_suspension_and_requeue() -> None:
     assert [(w.runnable_at, w.started_at) for w in waits(j)] == [(0, 10), (30, 40)]
 
 
+def test_time_suspended_is_held_but_not_service() -> None:
+    """`stats` counted a suspended job's time as service, which the scheduler does not charge, so its
+    shares and Jain's index measured something else than what the scheduler balances (audit)."""
+    j = job(1, "a", [(S.PENDING, 0), (S.STARTING, 0), (S.RUNNING, 0), (S.SUSPENDED, 2), (S.RUNNING, 6),
+                     (S.COMPLETED, 7)])
+    [stats] = user_stats([j], since=0, now=10, weight_of=lambda _: 100.0)
+    assert stats.runtime_s == 7 and stats.service_gpu_s == pytest.approx(3.0)
+    assert device_busy_fraction([j], since=0, now=10) == {"GPU-1": pytest.approx(0.7)}  # the device was held
+
+
 def test_held_time_is_not_a_scheduling_delay() -> None:
     j = job(1, "a", [(S.PENDING, 0), (S.HELD, 1), (S.PENDING, 100), (S.STARTING, 105), (S.RUNNING, 105),
                      (S.COMPLETED, 110)])
