@@ -134,11 +134,12 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
     job_id = env.get("SLURM_JOB_ID", "")
     if not _JOB_ID.match(job_id):
         raise ValueError(f"SLURM_JOB_ID {job_id!r} is not a job id; is this running as Slurm's Prolog?")
-    uid_text = env.get("SLURM_JOB_UID", "") or "-1"
-    rec = JobRecord(job_id=job_id, uid=int(uid_text) if uid_text.lstrip("-").isdecimal() else -1)
+    uid_text = env.get("SLURM_JOB_UID", "")
+    # (digits only: `--5` or `-7` is no uid, and int() would take "٣" or " 7")
+    rec = JobRecord(job_id=job_id, uid=int(uid_text) if uid_text.isascii() and uid_text.isdecimal() else -1)
     with _locked(cfg):
         try:
-            if rec.uid == -1 and uid_text != "-1":  # (a failing Prolog would drain the node: the job hears instead)
+            if rec.uid == -1:  # (a failing Prolog would drain the node: the job hears instead)
                 raise ValueError(f"SLURM_JOB_UID {uid_text!r} is not a uid")
             indices = parse_indices(env.get("SLURM_JOB_GPUS", ""))
             if indices:
@@ -152,9 +153,13 @@ def prolog(cfg: HookConfig, env: Mapping[str, str]) -> JobRecord:
                 rec.uuids = [d.uuid for d in chosen]
                 rec.mapping_names = [_mapping_name(d) for d in chosen]
                 if wants_mps(chosen):
-                    mps = _mps_daemon(cfg, chosen[0].uuid, rec.uid)
+                    shared = [d for d in chosen if d.mps]
+                    if len(shared) > 1:  # one CUDA_MPS_PIPE_DIRECTORY: its daemon would hide the others
+                        raise ValueError(f"the job has {len(shared)} GPUs shared through MPS; one job can use "
+                                         "one (ask for one GPU, or for exclusive ones)")
+                    mps = _mps_daemon(cfg, shared[0].uuid, rec.uid)
                     mps.start()
-                    rec.mps_device, rec.mps_pipe, rec.mps_log = chosen[0].uuid, str(mps.pipe_dir), str(mps.log_dir)
+                    rec.mps_device, rec.mps_pipe, rec.mps_log = shared[0].uuid, str(mps.pipe_dir), str(mps.log_dir)
                 try:
                     _update_mapping(cfg, rec.mapping_names, int(job_id), add=True)
                 except OSError as exc:  # monitoring loses this job's label; the job keeps its GPUs
@@ -176,14 +181,25 @@ def _write_record(cfg: HookConfig, rec: JobRecord) -> None:
         tmp.replace(directory / f"{rec.job_id}.{suffix}")
 
 
+class BadRecord(Exception):
+    """A job's record that cannot be read (truncated, or not one this version can take)."""
+
+
+_RECORD_FIELDS = frozenset(JobRecord.__dataclass_fields__)
+
+
 def read_record(cfg: HookConfig, job_id: str) -> JobRecord | None:
+    """The job's record; None when it has none; BadRecord when it cannot be read. Keys this version
+    does not know are left out (a record written by another version across an upgrade)."""
     if not _JOB_ID.match(job_id):
         return None
     try:
         data = json.loads((_records_dir(cfg) / f"{job_id}.json").read_text(encoding="utf-8"))
+        return JobRecord(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
     except FileNotFoundError:
         return None
-    return JobRecord(**data)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise BadRecord(f"job {job_id}'s record in {_records_dir(cfg)} cannot be read: {exc}") from None
 
 
 def task_prolog_lines(rec: JobRecord) -> str:
@@ -197,15 +213,21 @@ def task_prolog_lines(rec: JobRecord) -> str:
         message = " ".join(rec.error.split())
         return f"print {message}; no GPU is visible to this job\nexport CUDA_VISIBLE_DEVICES=\n"
     out = f"print {' '.join(rec.warning.split())}\n" if rec.warning is not None else ""
-    out += f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n" if rec.uuids else ""
+    # (none on this node: set empty, or CUDA would enumerate every GPU, others' slices too)
+    out += f"export CUDA_VISIBLE_DEVICES={','.join(rec.uuids)}\n"
     if rec.mps_pipe is not None and rec.mps_log is not None:
         out += f"export CUDA_MPS_PIPE_DIRECTORY={rec.mps_pipe}\nexport CUDA_MPS_LOG_DIRECTORY={rec.mps_log}\n"
     return out
 
 
 def task_prolog(cfg: HookConfig, env: Mapping[str, str], out: TextIO) -> None:
-    """What the TaskProlog prints for this job (nothing for a job the Prolog recorded no GPU for)."""
-    rec = read_record(cfg, env.get("SLURM_JOB_ID", ""))
+    """What the TaskProlog prints for this job (nothing for a job with no record: not one of ours)."""
+    try:
+        rec = read_record(cfg, env.get("SLURM_JOB_ID", ""))
+    except BadRecord as exc:
+        out.write(f"print gpusched: {' '.join(str(exc).split())}; no GPU is visible to this job\n"
+                  "export CUDA_VISIBLE_DEVICES=\n")
+        return
     if rec is not None:
         out.write(task_prolog_lines(rec))
 
@@ -216,7 +238,14 @@ def epilog(cfg: HookConfig, env: Mapping[str, str]) -> list[str]:
     job_id = env.get("SLURM_JOB_ID", "")
     problems: list[str] = []
     with _locked(cfg):
-        rec = read_record(cfg, job_id)
+        try:
+            rec = read_record(cfg, job_id)
+        except BadRecord as exc:  # nothing of it can be undone: its files go, the node stays in service
+            problems.append(str(exc))
+            for suffix in ("env", "json"):
+                with contextlib.suppress(OSError):
+                    (_records_dir(cfg) / f"{job_id}.{suffix}").unlink()
+            return problems
         if rec is None:
             return problems
         try:
@@ -237,7 +266,8 @@ def epilog(cfg: HookConfig, env: Mapping[str, str]) -> list[str]:
 def _mps_still_used(cfg: HookConfig, rec: JobRecord) -> bool:
     for path in _records_dir(cfg).glob("*.json"):
         with contextlib.suppress(OSError, ValueError, TypeError):
-            other = JobRecord(**json.loads(path.read_text(encoding="utf-8")))
+            other = JobRecord(**{k: v for k, v in json.loads(path.read_text(encoding="utf-8")).items()
+                                 if k in _RECORD_FIELDS})
             if other.uid == rec.uid and other.mps_device == rec.mps_device:
                 return True
     return False
@@ -251,6 +281,10 @@ def run(kind: str, cfg: HookConfig, env: Mapping[str, str]) -> int:
         except ValueError as exc:  # not run by Slurm at all: say so
             print(f"gpusched slurm hook prolog: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:  # the record cannot be written (a full /run): the job would run unseen
+            print(f"gpusched slurm hook prolog: cannot record job {env.get('SLURM_JOB_ID', '?')} in "
+                  f"{cfg.run_dir}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         for problem in (rec.error, rec.warning):
             if problem:
                 print(problem, file=sys.stderr)
@@ -258,6 +292,10 @@ def run(kind: str, cfg: HookConfig, env: Mapping[str, str]) -> int:
     if kind == "task-prolog":
         task_prolog(cfg, env, sys.stdout)
         return 0
-    for problem in epilog(cfg, env):
+    try:
+        problems = epilog(cfg, env)
+    except OSError as exc:  # (the lock or the run directory): the Epilog still exits 0
+        problems = [f"{cfg.run_dir}: {exc.strerror or exc}"]
+    for problem in problems:
         print(f"gpusched epilog: {problem}", file=sys.stderr)
     return 0
