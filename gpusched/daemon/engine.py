@@ -234,6 +234,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
         the checkpointed ones pinned to the GPUs they may resume on."""
         self._handing.clear()  # array tasks not handed over yet go now, with the others
+        if self.config.mode == "slurm-node":
+            self._fail_local_queue()  # Slurm owns this node's queue: one source of truth per GPU
+            return
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
@@ -246,6 +249,14 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.saved)
                        if j is None or j.state is not JobState.SUSPENDED]:
             self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down
+
+    def _fail_local_queue(self) -> None:
+        """In slurm-node mode: jobs queued before the switch (pending or held) would run on GPUs
+        Slurm also hands out. They end FAILED with the reason, before the loop starts."""
+        for job in sorted(self.jobs.values(), key=lambda j: j.id):
+            if job.state in (JobState.PENDING, JobState.HELD):
+                self._set(job, JobState.FAILED, "this node now runs gpuschedd in slurm-node mode: Slurm owns its "
+                          "queue (submit the job with sbatch)", ended_at=self.clock())
 
     async def _pass(self) -> None:
         self.passes += 1

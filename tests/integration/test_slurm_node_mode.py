@@ -31,3 +31,25 @@ def test_submit_is_refused_and_an_unreachable_slurm_is_logged_not_fatal(
                           capture_output=True, text=True, timeout=60, check=False)
     assert gpus.returncode == 0 and "H100" in gpus.stdout  # still serving
     assert gs.terminate() == 0
+
+
+def test_jobs_queued_before_the_switch_to_slurm_node_mode_fail_instead_of_running(
+        daemon_process: Callable[..., DaemonProcess]) -> None:
+    """A job left pending or held when the node was switched to slurm-node mode started on GPUs Slurm
+    hands out too (audit): one source of truth per GPU means they end, with the reason."""
+    import json
+
+    gs = daemon_process("H100-80GB:1")
+    gs.extra_config = '[slurm]\nnode_name = "gpu07"\nscontrol = "/nonexistent/scontrol"\n'
+    gs.start()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", gs.socket, *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    assert cli("submit", "--hold", "--gpus", "1", "--", "sleep", "30").returncode == 0
+    assert gs.terminate() == 0
+    gs.start("--mode", "slurm-node")
+    job = json.loads(cli("show", "1", "--json").stdout)["job"]
+    assert job["state"] == "FAILED" and "slurm-node mode" in job["reason"], job
+    assert gs.terminate() == 0
