@@ -152,6 +152,14 @@ class DevicesMixin(EngineCore):
                 await self.refresh_inventory()
             if gpu_config.mig == "dynamic":
                 continue  # the scheduler plans this GPU's layout from demand
+            live = next((g for g in self.inventory.gpus if g.index == index), gpu)
+            if self.config.mode == "slurm-node" and live.instances:
+                # The config's layout is the starting one: once a GPU has instances, Slurm's gres.conf
+                # names them and Slurm's jobs (which gpusched does not see as busy) may hold them.
+                if sorted(i.profile for i in live.instances) != sorted(gpu_config.mig):
+                    problems.append(f"gpus.{key}.mig: slurm-node mode: GPU {index} keeps the layout Slurm was "
+                                    "told of; change it with `gpusched slurm relayout`")
+                continue
             try:
                 change, done = await self.apply_mig_layout(index, gpu_config.mig, dry_run=False)
             except (DeviceError, GpuError) as exc:

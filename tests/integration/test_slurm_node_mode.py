@@ -53,3 +53,31 @@ def test_jobs_queued_before_the_switch_to_slurm_node_mode_fail_instead_of_runnin
     job = json.loads(cli("show", "1", "--json").stdout)["job"]
     assert job["state"] == "FAILED" and "slurm-node mode" in job["reason"], job
     assert gs.terminate() == 0
+
+
+def test_a_reload_keeps_the_layout_slurm_was_told_of(daemon_process: Callable[..., DaemonProcess]) -> None:
+    """`slurm relayout` applies a layout and exports it to Slurm; a reload (or a restart) put the
+    config's starting layout back, destroying instances Slurm's gres.conf names, under Slurm's jobs,
+    which gpusched does not see as busy (audit)."""
+    import json
+
+    gs = daemon_process("H100-80GB:1")
+    slurm = '[slurm]\nnode_name = "n2"\nscontrol = "/nonexistent/scontrol"\n'
+    gs.extra_config = 'mode = "slurm-node"\n[gpus.0]\nmig = ["1g.10gb", "4g.40gb"]\n' + slurm
+    gs.start()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", gs.socket, *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    def profiles() -> list[str]:
+        gpus = json.loads(cli("gpus", "--json").stdout)["gpus"]
+        return sorted(i["profile"] for g in gpus for i in g["instances"])
+
+    assert profiles() == ["1g.10gb", "4g.40gb"]  # the starting layout
+    assert cli("mig", "apply", "0", "3g.40gb,3g.40gb").returncode == 0  # what relayout does
+    gs.write_config('mode = "slurm-node"\n[gpus.0]\nmig = ["1g.10gb", "4g.40gb"]\ninteractive = true\n' + slurm)
+    reload = cli("admin", "reload")
+    assert reload.returncode == 0 and "slurm relayout" in reload.stdout, reload.stdout
+    assert profiles() == ["3g.40gb", "3g.40gb"]
+    assert gs.terminate() == 0
