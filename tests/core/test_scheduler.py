@@ -447,3 +447,27 @@ def test_mig_mode_is_not_switched_when_it_would_not_make_the_job_fit() -> None:
     n.run_until(500.0)
     assert not any(isinstance(a, SetMigMode) for a in n.actions)  # GPU 1 is busy: GPU 0 alone would not do
     assert 2 in n.pending
+
+
+def test_the_saved_preemption_count_of_a_job_cancelled_after_its_requeue_is_dropped() -> None:
+    """export_preemptions() is saved at every pass with actions: a job preempted (requeued), then
+    cancelled while it waited, stayed in it for ever (retention audit)."""
+    cfg = SchedulerConfig(preempt_after_s=600, preempt_min_gain_s=60, preempt_lag_margin_gpu_s=300,
+                          interactive_preempt_after_s=600)
+    n = Node(Scheduler(cfg, incremental=True), [gpu(0), gpu(1)])
+    n.submit(job(1, "bob", requeue=True), 10_000)
+    n.submit(job(2, "bob", requeue=True), 10_000)
+    n.step()
+    n.now = 3600
+    n.submit(job(3, "alice", job_class="interactive"), 100)
+    n.step()
+    n.now = 3600 + 601
+    [pre] = [a for a in n.step() if isinstance(a, PreemptJob)]
+    victim = pre.job_id
+    assert victim in n.pending
+    n.pending.pop(victim)  # the owner cancels it while it waits (the engine calls remove())
+    n.sched.remove(victim)
+    for _ in range(3):
+        n.now += 60
+        n.step()
+    assert str(victim) not in n.sched.export_preemptions()["times"], n.sched.export_preemptions()
