@@ -53,10 +53,7 @@ class PersistMixin(SchedulerCore):
         """What preemption has cost so far, for the store: each user's requeue losses of the last day
         (the budget), each job's preemption count (the per-job cap) and the jobs whose checkpoint
         failed (not offered for one again). A restart keeps them."""
-        # (the counts of jobs neither queued nor running are not kept: one cancelled after a
-        # requeue would stay in this record, rewritten at every pass, for ever)
-        times = {str(j): n for j, n in self._times_preempted.items() if j in self.queue or j in self._active}
-        return {"losses": self._budget.export(), "times": times,
+        return {"losses": self._budget.export(), "times": {str(j): n for j, n in self._times_preempted.items()},
                 "no_checkpoint": sorted(self._no_checkpoint)}
 
     def load_preemptions(self, saved: Mapping[str, Any]) -> None:

@@ -163,6 +163,12 @@ class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, P
                 and job.started_at is not None and job.ended_at is not None):
             self.estimator.observe(job, job.ended_at - job.started_at)
 
+    def forget_ended(self, job_id: int) -> None:
+        """A job ended for good, whatever its state was (a requeued job cancelled while it waited, too):
+        nothing of it is kept (its preemption count would stay in the saved record for ever)."""
+        self._times_preempted.pop(job_id, None)
+        self._no_checkpoint.discard(job_id)
+
     def estimate(self, job: Job) -> Estimate:
         """The run-time estimate a job is (or would be) scheduled with, and where it came from."""
         return self.estimator.estimate(job)

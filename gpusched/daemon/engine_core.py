@@ -317,9 +317,10 @@ class EngineCore:
         self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
-            observe = getattr(self.scheduler, "observe_end", None)
-            if job.state in ACTIVE_STATES and callable(observe):
+            if job.state in ACTIVE_STATES and callable(observe := getattr(self.scheduler, "observe_end", None)):
                 observe(updated)  # its run time teaches the estimates (core/estimate.py)
+            if callable(forget := getattr(self.scheduler, "forget_ended", None)):
+                forget(job.id)  # nothing of it is kept (its preemption count)
         else:
             self.jobs[job.id] = updated
         if state in ACTIVE_STATES:

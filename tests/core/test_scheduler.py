@@ -465,8 +465,10 @@ def test_the_saved_preemption_count_of_a_job_cancelled_after_its_requeue_is_drop
     [pre] = [a for a in n.step() if isinstance(a, PreemptJob)]
     victim = pre.job_id
     assert victim in n.pending
-    n.pending.pop(victim)  # the owner cancels it while it waits (the engine calls remove())
-    n.sched.remove(victim)
+    n.pending.pop(victim)  # the owner cancels it while it waits: the engine calls remove(), then, as
+    n.sched.remove(victim)  # the job has ended for good, forget_ended()
+    assert str(victim) in n.sched.export_preemptions()["times"]  # (a hold also calls remove(): kept)
+    n.sched.forget_ended(victim)
     for _ in range(3):
         n.now += 60
         n.step()
