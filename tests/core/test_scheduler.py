@@ -174,15 +174,22 @@ def test_no_backfill_when_disabled() -> None:
     assert _starts(n.step()) == []
 
 
-def test_preemption_serves_a_long_waiting_interactive_job() -> None:
+def _trainer_then_interactive() -> Node:
+    """Bob's two requeueable jobs hold both GPUs for an hour (well above his share); then alice's
+    interactive job arrives."""
     cfg = SchedulerConfig(preempt_after_s=600, preempt_min_gain_s=60, preempt_lag_margin_gpu_s=300,
                           interactive_preempt_after_s=600)
     n = Node(Scheduler(cfg, incremental=True), [gpu(0), gpu(1)])
     n.submit(job(1, "bob", requeue=True), 10_000)
     n.submit(job(2, "bob", requeue=True), 10_000)
     n.step()
-    n.now = 3600  # bob is now well above his share
+    n.now = 3600
     n.submit(job(3, "alice", job_class="interactive"), 100)
+    return n
+
+
+def test_preemption_serves_a_long_waiting_interactive_job() -> None:
+    n = _trainer_then_interactive()
     assert not [a for a in n.step() if isinstance(a, PreemptJob)]  # not waited long enough
     n.now = 3600 + 601
     acts = n.step()
@@ -452,14 +459,7 @@ def test_mig_mode_is_not_switched_when_it_would_not_make_the_job_fit() -> None:
 def test_the_saved_preemption_count_of_a_job_cancelled_after_its_requeue_is_dropped() -> None:
     """export_preemptions() is saved at every pass with actions: a job preempted (requeued), then
     cancelled while it waited, stayed in it for ever (retention audit)."""
-    cfg = SchedulerConfig(preempt_after_s=600, preempt_min_gain_s=60, preempt_lag_margin_gpu_s=300,
-                          interactive_preempt_after_s=600)
-    n = Node(Scheduler(cfg, incremental=True), [gpu(0), gpu(1)])
-    n.submit(job(1, "bob", requeue=True), 10_000)
-    n.submit(job(2, "bob", requeue=True), 10_000)
-    n.step()
-    n.now = 3600
-    n.submit(job(3, "alice", job_class="interactive"), 100)
+    n = _trainer_then_interactive()
     n.step()
     n.now = 3600 + 601
     [pre] = [a for a in n.step() if isinstance(a, PreemptJob)]
