@@ -116,13 +116,17 @@ def fairness(result: SimResult, weights: Mapping[str, float]) -> Fairness:
     weighted-fair scheduler would split among them by weight, each capped at what it can use at
     that moment (its pending and running jobs' GPUs; max-min "water-filling", so a user waiting
     with one 0.1-GPU job is not entitled to half the node). Entitlement and the rate each user
-    receives are integrated over time.
+    receives are integrated over time. A job the policy can never run (FAILED unsatisfiable)
+    counts for nothing.
     """
     events: list[tuple[float, int, str, float]] = []  # (time, kind, user, delta); kind 0 rate, 1 backlog, 2 demand
     for job in result.jobs:
         for t0, t1, frac in result.segments.get(job.id, ()):
             events.append((t0, 0, job.user, frac))
             events.append((t1, 0, job.user, -frac))
+        if job.state is JobState.FAILED and job.history and job.history[-1].reason.startswith("unsatisfiable"):
+            continue  # it can never use anything: no entitlement (else the figure says when a planner
+            # got round to refusing it, FIFO at the head, not how fair it was)
         want = request_fraction(job.spec.request)
         since: float | None = None
         for tr in job.history:

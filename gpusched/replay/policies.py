@@ -313,7 +313,9 @@ def _gpusched(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayC
     else:
         m = round(n * mig_units / total) if total > 0 else 0
         m = max(m, 1)
-        if others:
+        if others and (n > 1 or not config.scheduler.mig.toggle_mode):
+            # (with toggle_mode an idle dynamic GPU leaves MIG mode for whole-GPU work: a 1-GPU node
+            # keeps its one GPU dynamic, or its MIG jobs could never run)
             m = min(m, n - 1)
         note = "sized from MIG demand"
     dynamic = frozenset(range(n - m, n))

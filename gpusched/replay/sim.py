@@ -261,6 +261,9 @@ class Simulator(SimBase):
         self.yielded.discard(job.id)
         run = self.runs[job.id]
         run.since = run.seg_start = self.now
+        if not run.dyn_frac and job.allocation is not None:  # it holds its share again (suspend set 0)
+            run.frac = job.allocation.compute_fraction
+            self.allocated += run.frac
         for g in run.groups:
             self.groups.setdefault(g, set()).add(job.id)
         self.active[job.id] = self._set(job, JobState.RUNNING, action.reason)
