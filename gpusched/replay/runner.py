@@ -130,6 +130,8 @@ def render_table(report: ReplayReport) -> str:
                     "by hash of seed and name")
     if t.time_scale != 1.0:
         head.append(f"arrival times scaled by {t.time_scale:.4g} to reach the requested load")
+    if t.load_ignored is not None:
+        head.append(f"--load not applied: {t.load_ignored}")
     head.append(f"node {report.gpus}")
     tail = []
     for r in report.results:

@@ -93,6 +93,7 @@ class Trace:
     jobs: list[TraceJob]
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> rows
     time_scale: float = 1.0  # arrival times were multiplied by this (--load)
+    load_ignored: str | None = None  # why --load could not be applied (the text output says so)
     times_from: str | None = None  # pod list the arrival and run times were borrowed from (--times-from)
     times_matched: int = 0  # rows that took the times of the pod of the same name there
     times_drawn: int = 0  # rows with no such pod, given the times of a pod drawn by hash
@@ -222,12 +223,14 @@ def scale_to_load(trace: Trace, load: float, gpus: int) -> Trace:
     rate would be meaningless, so the arrival span is rescaled (durations are kept).
     """
     if len(trace.jobs) < 2:
-        return trace
+        return replace(trace, load_ignored="the trace has fewer than two jobs")
     t0 = trace.jobs[0].submit_s
     span = trace.jobs[-1].submit_s - t0
     demand = offered_demand(trace.jobs)
-    if span <= 0 or demand <= 0:
-        return trace
+    if span <= 0:
+        return replace(trace, load_ignored="every job arrives at the same time: there are no arrival times to scale")
+    if demand <= 0:
+        return replace(trace, load_ignored="the trace's jobs ask for no GPU time")
     scale = demand / (gpus * load) / span
     jobs = [_moved(j, t0 + (j.submit_s - t0) * scale) for j in trace.jobs]
     return replace(trace, jobs=jobs, time_scale=trace.time_scale * scale)

@@ -93,3 +93,12 @@ def test_client_does_not_import_replay_at_start() -> None:
     code = "import sys, gpusched_cli.main; print([m for m in sys.modules if m.startswith('gpusched.replay')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_load_that_cannot_be_applied_is_said_so(write_csv: Callable[[str], str]) -> None:
+    """`--load` was silently ignored for a trace whose jobs all arrive at once (audit)."""
+    same = "submit_time,duration,user,gpus\n0,100,alice,1\n0,100,bob,1\n"
+    result = CliRunner().invoke(cli, ["replay", write_csv(same), "--gpus", "H100-80GB:1", "--load", "0.5",
+                                      "--policy", "fifo-whole"])
+    assert result.exit_code == 0, result.output
+    assert "--load not applied: every job arrives at the same time" in result.output
