@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -220,11 +221,19 @@ def is_loopback(host: str) -> bool:
         return False  # another host name: it may resolve to anything
 
 
+def _home_of(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        return f"/tmp/gpusched-{uid}"  # (no home at all: checked at start, as every state directory is)
+
+
 def default_paths(uid: int, env: Mapping[str, str]) -> dict[str, str]:
     """Root gets the system paths; anyone else gets per-user paths so no privilege is needed."""
     if uid == 0:
         return {"socket": ROOT_SOCKET, "state_dir": "/var/lib/gpusched"}
-    state_home = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME", f"/tmp/gpusched-{uid}"), ".local", "state")
+    # (no $HOME: the passwd entry's home, never a directory under /tmp another user may make first)
+    state_home = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or _home_of(uid), ".local", "state")
     return {"socket": user_socket(uid, env), "state_dir": os.path.join(state_home, "gpusched")}
 
 

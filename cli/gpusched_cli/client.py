@@ -26,6 +26,7 @@ from gpusched.wire import (
     encode_frame,
     frame_length,
     socket_candidates,
+    user_socket,
 )
 
 if TYPE_CHECKING:
@@ -51,13 +52,16 @@ def resolve_socket(explicit: str | None, env: Mapping[str, str] | None = None, u
         return explicit
     if env.get("GPUSCHED_SOCKET"):
         return env["GPUSCHED_SOCKET"]
-    candidates = socket_candidates(os.getuid() if uid is None else uid, env)
+    me = os.getuid() if uid is None else uid
+    candidates = socket_candidates(me, env)
     existing = [path for path in candidates if os.path.exists(path)]
     for path in existing:
         if _listening(path):
             return path
-    # none answers: the first that exists (or the system one) is the one the error names
-    return existing[0] if existing else candidates[0]
+    # none answers: the first that exists is the one the error names; with none, root's system
+    # socket, and for anyone else their own daemon's (the hint's `gpuschedd --socket` must be one
+    # they can start: /run/gpusched is root's)
+    return existing[0] if existing else candidates[0] if me == 0 else user_socket(me, env)
 
 
 def _listening(path: str) -> bool:

@@ -207,7 +207,10 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
     except (SocketInUse, OSError) as exc:
         await engine.stop()
         store.close()
-        raise StartupError(str(exc)) from None
+        if isinstance(exc, SocketInUse):
+            raise StartupError(str(exc)) from None
+        raise StartupError(f"socket {config.socket}: cannot listen: {exc.strerror or exc}; check its directory, "
+                           "or choose another with --socket") from None
     metrics = None
     if config.metrics_address is not None:
         metrics = MetricsServer(engine, config.metrics_address, backend_name, config.metrics_max_connections)

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from gpusched.daemon.deadlines import Deadline, Deadlines
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.handlers import HANDLERS, Context, Peer
+from gpusched.daemon.safepath import unsafe_reason
 from gpusched.protocol import (
     HEADER,
     ErrorCode,
@@ -53,8 +54,15 @@ def peer_credentials(sock: socket.socket) -> Peer:
 
 
 def claim_socket_path(path: str) -> None:
-    """Refuse if a live daemon owns `path`; remove it if it is a stale leftover."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    """Refuse if a live daemon owns `path`; remove it if it is a stale leftover. Its directory must
+    not be another user's, nor writable by everyone but for root's sticky ones (safepath.py): whoever
+    may write there may replace the socket."""
+    directory = os.path.dirname(path) or "."
+    unsafe = unsafe_reason(directory, os.geteuid())
+    if unsafe is not None:
+        raise SocketInUse(f"socket {path}: its directory is not safe to use: {unsafe}; choose another with "
+                          "--socket (or remove what another user created there)")
+    os.makedirs(directory, mode=0o755, exist_ok=True)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

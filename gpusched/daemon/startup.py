@@ -13,6 +13,7 @@ from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy, layout_error
 from gpusched.core.scheduler import SchedulerConfig
 from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
+from gpusched.daemon.safepath import unsafe_reason
 from gpusched.daemon.statelock import StateLock, StateLocked
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
@@ -24,7 +25,12 @@ class StartupError(Exception):
 
 def lock_state_dir(config: DaemonConfig) -> StateLock:
     """Create the state directory (0711: job owners must reach their own log, STATE/logs/ID.log, but
-    may not list anything) and take the one-daemon lock on it."""
+    may not list anything) and take the one-daemon lock on it. A directory another user owns, or
+    may write, on the way is refused (safepath.py)."""
+    unsafe = unsafe_reason(config.state_dir, os.geteuid())
+    if unsafe is not None:
+        raise StartupError(f"state directory {config.state_dir} is not safe to use: {unsafe}; choose another "
+                           "with --state-dir (or remove what another user created there)")
     try:
         os.makedirs(config.state_dir, mode=0o711, exist_ok=True)
         os.chmod(config.state_dir, 0o711)
