@@ -38,7 +38,7 @@ from gpusched.protocol import (
 )
 from gpusched.submittable import check_submittable
 from gpusched_cli import messages, render, results
-from gpusched_cli.commands import submit as submit_cmd
+from gpusched_cli import submitspec as submit_cmd
 from gpusched_cli.main import COMMANDS, cli
 
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/home/u", "UNICODE": "caf\u00e9 \U0001f600"}
