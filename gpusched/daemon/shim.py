@@ -273,6 +273,9 @@ def run(job_dir: str) -> int:
     # the daemon's inheritable ones), no ignored signal (reset again in the child, after ours below).
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     _reset_ignored_signals()
+    # But SIGPIPE, as Python has it: a daemon killed mid-launch leaves the report pipe without a
+    # reader, and the shim must outlive that write to record the job's end (the child resets it).
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     subreaper = become_subreaper()
     claimed = _claim(job_dir)
     if claimed is None:
