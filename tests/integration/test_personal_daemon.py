@@ -59,6 +59,15 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
+def _victim_cannot_import() -> str | None:
+    """Why VICTIM cannot import the daemon from this checkout (None when it can): a clone in a
+    directory only root may enter (`mktemp -d`, /root) is out of its reach, and so is the test."""
+    proc = subprocess.run([SYSTEM_PYTHON, "-c", "import gpusched.daemon.main"], env={"PATH": "/usr/bin:/bin",
+                          "PYTHONPATH": PACKAGES}, cwd="/", capture_output=True, text=True, timeout=60,
+                          preexec_fn=_become_victim)
+    return proc.stderr.strip().splitlines()[-1] if proc.returncode else None
+
+
 @pytest.fixture
 def victim_home():
     home = tempfile.mkdtemp(prefix="gs-home-", dir="/tmp")
@@ -75,6 +84,8 @@ def _env(home: str) -> dict[str, str]:
 
 def _run_daemon(home: str, seconds: float) -> tuple[int | None, str]:
     """Start VICTIM's daemon; return (exit code or None if still running after `seconds`, its output)."""
+    if (why := _victim_cannot_import()) is not None:
+        pytest.skip(f"uid {VICTIM} cannot import gpusched from {REPO} ({why}): needs a checkout other users can read")
     log = os.path.join(home, "daemon.log")
     with open(log, "wb") as out:
         proc = subprocess.Popen([SYSTEM_PYTHON, "-m", "gpusched.daemon.main", "--sim", "H100-80GB:1"],
