@@ -24,6 +24,7 @@ from gpusched.core.devices import (
     _EPS,
     MPS_MAX_CLIENTS,
     DeviceUse,
+    NumaKey,
     _Client,
     _Held,
     _mode,
@@ -90,7 +91,7 @@ class ClusterState:
         for gpu in gpus:
             if gpu.uuid in unschedulable:
                 continue
-            numa: object = gpu.numa_node if gpu.numa_node is not None else (gpu.cpu_affinity or None)
+            numa: NumaKey = gpu.numa_node if gpu.numa_node is not None else (gpu.cpu_affinity or None)
             if not gpu.mig_enabled:
                 self._add(DeviceUse(gpu.uuid, gpu.index, "gpu", None, 1.0, gpu.memory_total_mib,
                                     _mode(modes.get(gpu.uuid)), numa, MPS_MAX_CLIENTS,

@@ -5,11 +5,12 @@ meet there. placement.py fits requests onto many of them; cluster_sync.py keeps 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeAlias
 
 from gpusched.model import Job
 
 ShareMode = Literal["exclusive", "mps", "timeslice"]
+NumaKey: TypeAlias = int | tuple[int, ...] | None  # NUMA node, else the CPU-affinity tuple, else None
 SHARE_MODES: tuple[str, ...] = ("exclusive", "mps", "timeslice")
 MPS_MAX_CLIENTS = 48  # Volta+ client contexts per device; lowered proportionally on MIG (reference §4)
 _EPS = 1e-9
@@ -50,7 +51,7 @@ class DeviceUse:
     compute_fraction: float  # of the physical GPU: 1.0, or instance SMs / GPU SMs
     memory_mib: int
     mode: str  # exclusive | mps | timeslice
-    numa: object  # NUMA node, else the CPU-affinity tuple, else None
+    numa: NumaKey  # the devices that share one are placed together first
     max_clients: int
     mps_owner: int | None = None  # uid of the idle MPS server the snapshot reports, if any
     holder: int | None = None  # job id holding the device exclusively

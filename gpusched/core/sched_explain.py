@@ -6,11 +6,11 @@ from __future__ import annotations
 import bisect
 import math
 
-from gpusched.core.sched_reserve import ReservationMixin
+from gpusched.core.sched_preempt import PreemptionMixin
 from gpusched.model import describe_request
 
 
-class ExplainMixin(ReservationMixin):
+class ExplainMixin(PreemptionMixin):
     """Expected starts and ends, fairness order, explanations."""
 
     def expected_end(self, job_id: int) -> float | None:

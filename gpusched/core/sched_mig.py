@@ -15,7 +15,7 @@ from gpusched.core.actions import (
 )
 from gpusched.core.migplan import MigPolicy, plan_dynamic
 from gpusched.core.placement import Cluster
-from gpusched.core.sched_core import SchedulerCore
+from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
     Job,
@@ -24,7 +24,7 @@ from gpusched.model import (
 )
 
 
-class MigMixin(SchedulerCore):
+class MigMixin(SyncMixin):
     """Instance plans, claims and MIG mode."""
 
     def _mig_claim(self, snapshot: Snapshot, job: Job) -> frozenset[str]:

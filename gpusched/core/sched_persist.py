@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpusched.core.sched_core import SchedulerCore
+from gpusched.core.sched_explain import ExplainMixin
 from gpusched.model import Job
 
 # What a scheduler hands over, as (meta key, exporter, loader, what a damaged record costs): to the
@@ -27,7 +27,7 @@ HANDED_OVER: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-class PersistMixin(SchedulerCore):
+class PersistMixin(ExplainMixin):
     """export_* give plain data for the store; load_* restore it before the first plan."""
 
     def export_standing(self) -> dict[str, dict[str, float]]:

@@ -16,7 +16,7 @@ from gpusched.core.devices import _EPS
 from gpusched.core.interactive import choose_headroom
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import Candidate, choose_victims
-from gpusched.core.sched_reserve import ReservationMixin
+from gpusched.core.sched_scan import ScanMixin
 from gpusched.model import (
     Allocation,
     Job,
@@ -25,7 +25,7 @@ from gpusched.model import (
 )
 
 
-class PreemptionMixin(ReservationMixin):
+class PreemptionMixin(ScanMixin):
     """Victims, suspend/resume in place, pins, headroom."""
 
     def pin(self, job_id: int, uuids: Iterable[str]) -> None:
@@ -221,8 +221,8 @@ class PreemptionMixin(ReservationMixin):
 
     def _plan_headroom(self, cluster: Cluster, snapshot: Snapshot, now: float) -> frozenset[str]:
         """Devices kept for interactive work this pass (core/interactive.py)."""
-        running = sum(rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive")
-        self._demand.observe(now, running + sum(self._interactive_pending.values()))
+        running = sum((rec.fraction for rec in self._active.values() if rec.job.spec.job_class == "interactive"), 0.0)
+        self._demand.observe(now, running + sum(self._interactive_pending.values(), 0.0))
         cap = min(self.config.interactive_headroom_gpus,
                   math.floor(len(snapshot.gpus) * self.config.interactive_headroom_fraction + 1e-9))
         n = self._demand.devices_needed(now, cap)

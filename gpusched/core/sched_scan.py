@@ -16,11 +16,11 @@ from gpusched.core.devices import _share_fits
 from gpusched.core.placement import Cluster
 from gpusched.core.queue import request_fraction
 from gpusched.core.sched_core import Candidate, FailMemo, Shapes, UserMemo, Wording, _Active
-from gpusched.core.sched_reserve import ReservationMixin
+from gpusched.core.sched_mig import MigMixin
 from gpusched.model import Allocation, Job
 
 
-class ScanMixin(ReservationMixin):
+class ScanMixin(MigMixin):
     """Starting a job, one user's backfill attempt, the backfill rule, parking users that cannot start."""
 
     def _backfill_user(self, cluster: Cluster, user: str, head_id: int, reserved: frozenset[str],

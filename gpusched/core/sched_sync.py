@@ -12,9 +12,9 @@ from gpusched.core.actions import (
 from gpusched.core.cluster_sync import sync
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_core import (
-    SchedulerCore,
     _Active,
 )
+from gpusched.core.sched_reserve import ReservationMixin
 from gpusched.model import (
     ACTIVE_STATES,
     Job,
@@ -22,7 +22,7 @@ from gpusched.model import (
 )
 
 
-class SyncMixin(SchedulerCore):
+class SyncMixin(ReservationMixin):
     """Charging, idle timers, and the placement view."""
 
     def _cluster_for(self, snapshot: Snapshot) -> Cluster:

@@ -49,12 +49,7 @@ from gpusched.core.sched_core import (
     _Reservation,
     unsatisfiable_reason,
 )
-from gpusched.core.sched_explain import ExplainMixin
-from gpusched.core.sched_mig import MigMixin
 from gpusched.core.sched_persist import PersistMixin
-from gpusched.core.sched_preempt import PreemptionMixin
-from gpusched.core.sched_scan import ScanMixin
-from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
     Job,
@@ -82,8 +77,12 @@ __all__ = [
 ]
 
 
-class Scheduler(SyncMixin, MigMixin, ScanMixin, PreemptionMixin, ExplainMixin, PersistMixin):
+class Scheduler(PersistMixin):
     """Fair share (EEVDF over users) + placement + dynamic MIG + backfill + preemption.
+
+    Its parts are one chain of classes, each module adding one concern to the one before
+    (sched_core, sched_reserve, sched_sync, sched_mig, sched_scan, sched_preempt, sched_explain,
+    sched_persist), not mixins side by side: mypyc compiles single inheritance only (gpusched/native.py).
 
     The daemon calls, in this order of life:
       1. `Scheduler(SchedulerConfig(...))`, then `load_standing(saved)` if it has saved standing;

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import click
 from pydantic import ValidationError
 
+import gpusched.core
 from gpusched import __version__
 from gpusched.config import ConfigError, DaemonConfig, describe_errors, load_config
 from gpusched.core.scheduler import Scheduler
@@ -221,8 +222,8 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
             await engine.stop()
             store.close()
             raise StartupError(f"metrics_address {config.metrics_address}: cannot listen: {exc.strerror}") from None
-    log.info("gpuschedd %s listening on %s (%s backend, %d GPUs)", __version__, config.socket, backend_name,
-             len(engine.inventory.gpus))
+    log.info("gpuschedd %s listening on %s (%s backend, %d GPUs, %s scheduling core)", __version__, config.socket,
+             backend_name, len(engine.inventory.gpus), "compiled" if gpusched.core.NATIVE else "Python")
     daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader, lock=lock)
     server.reload = daemon.reload
     daemon.pruner = asyncio.create_task(prune_periodically(daemon), name="gpusched-prune")

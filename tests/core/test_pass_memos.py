@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpusched.core
 from gpusched.core.actions import Action
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import Candidate as PreemptCandidate
@@ -25,6 +27,11 @@ from gpusched.model import Job, JobState, ShareRequest, WholeRequest
 
 from .helpers import Node, gpu, instance, job
 from .test_cluster_sync import state
+
+# Compiled classes cannot be subclassed: on the compiled core, tests/core/test_native.py runs this
+# file on the pure-Python one.
+pytestmark = pytest.mark.skipif(gpusched.core.NATIVE, reason="subclasses the scheduler; run on the pure-Python "
+                                "core by tests/core/test_native.py")
 
 
 class CheckedScheduler(Scheduler):
