@@ -87,21 +87,39 @@ class Instance:
 
 
 @dataclass(frozen=True, slots=True)
+class Partition:
+    """Where a logical GPU sits on its physical GPU (AMD Instinct compute/memory partitions).
+
+    amdsmi enumerates each logical GPU as a device of its own; this says which physical GPU it
+    belongs to, in which modes, and which of its `count` parts it is, so a mode change (which
+    needs the whole physical GPU idle) can be planned."""
+
+    physical_index: int  # index of the physical GPU (amdsmi socket) in enumeration order
+    physical_uuid: str  # amdsmi's UUID of the physical GPU (shared by all its partitions)
+    compute_mode: str  # SPX, DPX, QPX, CPX (TPX on MI300A)
+    memory_mode: str  # NPS1, NPS4 (NPS2, NPS8 on other parts)
+    index_in_physical: int  # the driver's partition id, 0 .. count-1
+    count: int  # logical GPUs the physical GPU shows in this compute mode
+
+
+@dataclass(frozen=True, slots=True)
 class Gpu:
-    """A physical GPU as the scheduler needs to see it."""
+    """A GPU as the scheduler needs to see it: a physical NVIDIA GPU, or one logical AMD GPU."""
 
     index: int
     uuid: str
     name: str  # the driver's name, e.g. "NVIDIA H100 80GB HBM3"
     model: str  # our model key: A100-40GB, A100-80GB, H100-80GB, H200
     memory_total_mib: int
-    sm_count: int
+    sm_count: int  # NVIDIA: streaming multiprocessors; AMD: compute units (CUs) of this logical GPU
     mig_enabled: bool
     mig_pending: bool  # the mode the GPU will have after the next reset
     instances: tuple[Instance, ...] = ()
     memory_used_mib: int | None = None
     numa_node: int | None = None
     cpu_affinity: tuple[int, ...] = ()
+    partition: Partition | None = None  # set for AMD logical GPUs; None on NVIDIA
+    vendor: str = "nvidia"  # "nvidia" or "amd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +153,16 @@ class MigModeChange:
 
 
 @dataclass(frozen=True, slots=True)
+class PartitionModeChange:
+    """Result of setting a physical GPU's compute and memory partition modes (AMD Instinct)."""
+
+    physical_index: int
+    compute: str
+    memory: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Inventory:
     """All GPUs at one moment, plus the driver version when known."""
 
@@ -145,7 +173,8 @@ class Inventory:
 
 
 class GpuBackend(Protocol):
-    """What gpusched needs from GPUs. Implemented by `gpu.nvml.NvmlBackend` over pynvml or simnvml."""
+    """What gpusched needs from GPUs. Implemented by `gpu.nvml.NvmlBackend` over pynvml or simnvml and
+    by `gpu.amdsmi.AmdSmiBackend` over amdsmi or simamdsmi."""
 
     def inventory(self) -> Inventory: ...
 
@@ -154,6 +183,8 @@ class GpuBackend(Protocol):
     def destroy_instance(self, uuid: str) -> None: ...
 
     def set_mig_mode(self, gpu_index: int, enabled: bool) -> MigModeChange: ...
+
+    def set_partition_mode(self, physical_index: int, compute: str, memory: str) -> PartitionModeChange: ...
 
     def processes(self, device_uuid: str) -> list[GpuProcess]: ...
 

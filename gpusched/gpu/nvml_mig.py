@@ -11,8 +11,10 @@ from gpusched.gpu.backend import (
     GpuError,
     GpuInvalidArgumentError,
     GpuNotFoundError,
+    GpuNotSupportedError,
     Instance,
     MigModeChange,
+    PartitionModeChange,
 )
 from gpusched.gpu.holders import describe, instance_holders
 from gpusched.gpu.nvml_core import GI_REFUSED_HOLDOFF_S
@@ -177,3 +179,10 @@ class MigMixin(ReadMixin):
             detail = f"activation status {status}"
         pending = status != nvml.NVML_SUCCESS or bool(current) != bool(pending_mode)
         return MigModeChange(gpu_index=gpu_index, current=bool(current), pending=pending, detail=detail)
+
+    def set_partition_mode(self, physical_index: int, compute: str, memory: str) -> PartitionModeChange:
+        """NVIDIA GPUs have no compute/memory partition modes (that is AMD Instinct); MIG is the NVIDIA way."""
+        raise GpuNotSupportedError(
+            f"GPU {physical_index}: compute/memory partition modes ({compute}/{memory}) are an AMD Instinct feature",
+            hint="on NVIDIA GPUs use MIG instead",
+        )
