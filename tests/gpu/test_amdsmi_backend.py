@@ -154,3 +154,18 @@ def test_real_amdsmi_inventory() -> None:
         assert all(g.partition is None or 0 <= g.partition.index_in_physical < g.partition.count for g in inv.gpus)
     finally:
         b.close()
+
+
+def test_simulator_names_and_codes_match_the_real_package() -> None:
+    """The simulator's status codes and enum values against the installed amdsmi, where it loads."""
+    try:
+        import amdsmi  # type: ignore[import-not-found]
+    except (ImportError, OSError) as err:
+        pytest.skip(f"real amdsmi not importable here: {err}")
+    from gpusched.gpu import simamdsmi_api as api
+
+    for code, name in api.STATUS_NAMES.items():
+        assert getattr(amdsmi.amdsmi_wrapper, name) == code, name
+    for enum in ("AmdSmiComputePartitionType", "AmdSmiMemoryPartitionType", "AmdSmiMemoryType",
+                 "AmdSmiEvtNotificationType", "AmdSmiInitFlags"):
+        assert {m.name: int(m) for m in getattr(amdsmi, enum)} == {m.name: int(m) for m in getattr(api, enum)}
