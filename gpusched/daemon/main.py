@@ -108,13 +108,15 @@ class Daemon:
             kept = new.scheduler.model_copy(update={"policy": old.scheduler.policy})
             new = new.model_copy(update={"scheduler": kept})
         changed = [k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)]
-        restart = [k for k in changed if k in RESTART_KEYS] + (["scheduler.policy"] if policy_moved else [])
+        restart = [k for k in changed if k in RESTART_KEYS]
         live = [k for k in changed if k not in RESTART_KEYS]
         try:  # the keys that wait for a restart keep their old values: the mix must hold together too
             applied = DaemonConfig.model_validate({**new.model_dump(), **{k: getattr(old, k) for k in restart}})
         except ValidationError as exc:
             raise ConfigError(f"the new configuration does not hold together with the settings that keep their "
                               f"values until a restart ({', '.join(restart)}): {describe_errors(exc)}") from None
+        if policy_moved:
+            restart.append("scheduler.policy")
         engine = self.engine
         # (built before anything changes: policy options it refuses leave the old configuration running)
         rebuilt = build_policy(applied) if {"fairness", "scheduler", "mig"} & set(live) else None
