@@ -81,6 +81,8 @@ def type_name(annotation: Any) -> str:
         return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
     if annotation in _SCALARS:
         return _SCALARS[annotation]
+    if annotation is Any:  # (a plug-in policy's own options: whatever TOML it reads)
+        return "any TOML value"
     raise TypeError(f"config_doc does not know how to name {annotation!r}")
 
 

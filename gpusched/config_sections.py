@@ -5,11 +5,17 @@ description is what docs/config.md shows (config_doc.py).
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ShareModeName = Literal["exclusive", "mps", "timeslice"]
+
+# The built-in policies by name (gpusched/policies.py maps each to its code); only the first runs in
+# gpuschedd, the others are replay baselines. Named here so that reading a config needs no core.
+BUILTIN_POLICIES = ("gpusched", "fifo-whole", "fifo-timeslice", "static-mig")
+_POLICY_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class GpuConfig(BaseModel):
@@ -68,10 +74,20 @@ class FairnessSection(BaseModel):
 
 
 class SchedulerSection(BaseModel):
-    """`[scheduler]`: backfill and preemption."""
+    """`[scheduler]`: the policy, backfill and preemption."""
 
     model_config = ConfigDict(extra="forbid")
 
+    policy: str = Field(
+        default="gpusched", description="the scheduling policy: \"gpusched\" (fair share, the built-in) or a "
+        "site's own as \"package.module:Class\", imported from the daemon's Python path and checked at start "
+        "(docs/policies.md); changing it takes a restart. The other built-ins (fifo-whole, fifo-timeslice, "
+        "static-mig) are replay baselines",
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="`[scheduler.policy_options]`: a plug-in policy's own settings, handed to "
+        "it as `context.options` (the built-in ignores them)",
+    )
     backfill: bool = Field(default=True, description="let jobs with --time start in holes that end in time")
     preempt_after_s: float | None = Field(
         default=1800.0, gt=0, description="preempt --requeue jobs for a user below their share (or an interactive "
@@ -139,6 +155,17 @@ class SchedulerSection(BaseModel):
     per_user_scan: int = Field(default=8, ge=1, description="jobs of one user examined for backfill per pass")
     max_mig_demand: int = Field(default=16, ge=0, description="blocked MIG jobs turned into instance-creation "
                                 "demand per pass")
+
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_form(cls, value: str) -> str:
+        """The form only: importing the module is the daemon's job at start (gpusched/policies.py)."""
+        value = value.strip()
+        if value in BUILTIN_POLICIES or _POLICY_SPEC.fullmatch(value):
+            return value
+        raise ValueError(f"{value!r} is neither a built-in policy ({', '.join(BUILTIN_POLICIES)}) nor of the form "
+                         "package.module:Class")
 
 
 class MigSection(BaseModel):

@@ -21,7 +21,6 @@ from gpusched.core.scheduler import (
     FailJob,
     PreemptJob,
     ResumeJob,
-    Scheduler,
     SetMigMode,
     Snapshot,
     StartJob,
@@ -53,6 +52,7 @@ from gpusched.model import (
     JobState,
     pending_since,
 )
+from gpusched.policy import Pins, Policy
 
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
 log = logging.getLogger("gpusched.engine")
@@ -69,7 +69,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         store: Store,
         backend: GpuBackend,
         executor: Executor,
-        scheduler: Scheduler,
+        scheduler: Policy,
         clock: Callable[[], float] = time.time,
         cgroups: CgroupManager | None = None,
     ) -> None:
@@ -240,9 +240,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
                 self._enqueue(job)
-            elif self.checkpoints.holds(job) and self._incremental:
-                self.scheduler.pin(job.id, self.checkpoints.resume_devices(job.id, self.inventory))
-                self.scheduler.submit(job)
+            elif self.checkpoints.holds(job) and (queue := self._queue) is not None:
+                if isinstance(self.scheduler, Pins):
+                    self.scheduler.pin(job.id, self.checkpoints.resume_devices(job.id, self.inventory))
+                queue.submit(job)
             elif job.id in self.checkpoints.saved and job.state is JobState.SUSPENDED:
                 self._spawn(self._restore(job), gpu_state=True)  # the daemon stopped while restoring it: finish that
                 continue

@@ -13,10 +13,9 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from gpusched.config import DaemonConfig
-from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.arrays import Arrays
 from gpusched.daemon.cgroups import CgroupManager
 from gpusched.daemon.checkpointing import Checkpoints
@@ -38,6 +37,7 @@ from gpusched.model import (
     JobState,
     run_seconds,
 )
+from gpusched.policy import Incremental, LearnsRunTimes, Policy, is_incremental
 
 log = logging.getLogger("gpusched.engine")
 # How an array whose tasks have all ended counts for --after: its first state in this order among its tasks'.
@@ -52,7 +52,7 @@ class EngineCore:
     store: Store
     backend: GpuBackend
     executor: Executor
-    scheduler: Scheduler
+    scheduler: Policy  # the built-in fair-share Scheduler, or a site's plug-in (gpusched/policy.py)
     clock: Callable[[], float]
     cgroups: CgroupManager | None
     cgroup_note: str
@@ -106,7 +106,14 @@ class EngineCore:
 
     @property
     def _incremental(self) -> bool:
-        return bool(getattr(self.scheduler, "incremental", False))
+        return is_incremental(self.scheduler)
+
+    @property
+    def _queue(self) -> Incremental | None:
+        """The policy when it keeps its own queue (told of every job that becomes pending or leaves
+        it), else None: then the snapshot shows it the pending jobs. A cast, not an isinstance: this is
+        asked on every state change, and gpusched/policies.py checked submit and remove at load."""
+        return cast(Incremental, self.scheduler) if is_incremental(self.scheduler) else None
 
     def share_modes(self) -> dict[str, str]:
         """Device UUID -> mps | timeslice for GPUs (and their MIG instances) configured to be shared.
@@ -171,11 +178,12 @@ class EngineCore:
     def _enqueue(self, job: Job) -> None:
         """A job became PENDING: the scheduler gets it once its dependencies are met (and, for a task of
         an array with %MAX, once fewer than MAX of its array's tasks are queued or running)."""
-        if not self.arrays.admit(job) or not self._incremental:
+        queue = self._queue
+        if not self.arrays.admit(job) or queue is None:
             return
         if self._ready(job):
             self._awaiting_deps.discard(job.id)
-            self.scheduler.submit(job)
+            queue.submit(job)
         else:
             self._awaiting_deps.add(job.id)
 
@@ -317,10 +325,10 @@ class EngineCore:
         self._handing.discard(job.id)  # whatever its state now, this change decides what the scheduler gets
         if state in TERMINAL_STATES:
             self.jobs.pop(job.id, None)
-            if job.state in ACTIVE_STATES and callable(observe := getattr(self.scheduler, "observe_end", None)):
-                observe(updated)  # its run time teaches the estimates (core/estimate.py)
-            if callable(forget := getattr(self.scheduler, "forget_ended", None)):
-                forget(job.id)  # nothing of it is kept (its preemption count)
+            if isinstance(self.scheduler, LearnsRunTimes):
+                if job.state in ACTIVE_STATES:
+                    self.scheduler.observe_end(updated)  # its run time teaches the estimates (core/estimate.py)
+                self.scheduler.forget_ended(job.id)  # nothing of it is kept (its preemption count)
         else:
             self.jobs[job.id] = updated
         if state in ACTIVE_STATES:
@@ -335,14 +343,15 @@ class EngineCore:
             self._count_waiting(job, 1 if state in WAITING_STATES else -1)
         if state is JobState.PENDING and job.state is not JobState.PENDING:
             self._enqueue(updated)  # submitted, released, or requeued after preemption
-        elif job.state is JobState.PENDING and state is not JobState.STARTING and self._incremental:
+        elif job.state is JobState.PENDING and state is not JobState.STARTING and (queue := self._queue) is not None:
             self._awaiting_deps.discard(job.id)
-            self.scheduler.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
+            queue.remove(job.id)  # cancelled, held or failed: StartJob already dequeued it
         if job.id in self._yielded and state is not JobState.SUSPENDED:
             self._set_yielded(job.id, False)  # resumed, continued by a signal, or ended
         if state in TERMINAL_STATES and job.id in self.checkpoints.saved:
             self.checkpoints.forget(job.id)
-            self.scheduler.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
+            if (queue := self._queue) is not None:
+                queue.remove(job.id)  # ended while checkpointed (cancelled, killed): no restore
         if (job.state in ACTIVE_STATES) != (state in ACTIVE_STATES):
             self._write_job_mapping()
         if job.array_id is not None and (state in TERMINAL_STATES or state is JobState.HELD):

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Iterable
 
 from gpusched.daemon.checkpointing import MoveRefused
 from gpusched.daemon.engine_core import EngineCore
@@ -22,6 +23,7 @@ from gpusched.model import (
     Job,
     JobState,
 )
+from gpusched.policy import Pins
 
 log = logging.getLogger("gpusched.engine")
 
@@ -33,11 +35,24 @@ class PreemptionMixin(EngineCore):
         """Preempt a share by suspending it in place (SIGSTOP): it keeps its GPU memory and MPS slot,
         gives up its compute, and continues on a ResumeJob. Nothing is lost."""
         if job.state is not JobState.RUNNING or not job.pid or job.id in self._stops:
-            self.scheduler.preempt_failed(job.id)
+            self._preempt_failed(job.id)
             return
         self._set_yielded(job.id, True)
         self.executor.signal(job.pid, signal.SIGSTOP)
         self._set(job, JobState.SUSPENDED, reason)
+
+    def _preempt_failed(self, job_id: int) -> None:
+        """Tell the policy its PreemptJob was not carried out (one without `Pins` decides afresh next pass)."""
+        if isinstance(self.scheduler, Pins):
+            self.scheduler.preempt_failed(job_id)
+
+    def _requeue_pinned(self, job: Job, devices: Iterable[str]) -> None:
+        """A checkpointed job waits again, for the devices that hold its state: pinned there when the
+        policy can pin, and handed to its queue when it keeps one (else the snapshot shows it)."""
+        if isinstance(self.scheduler, Pins):
+            self.scheduler.pin(job.id, devices)
+        if (queue := self._queue) is not None:
+            queue.submit(job)
 
     async def _checkpoint(self, job: Job, reason: str) -> None:
         """Preempt by checkpoint (daemon/checkpointing.py): the job keeps its processes and its work,
@@ -65,13 +80,12 @@ class PreemptionMixin(EngineCore):
             log.warning("job %d: not preempted by checkpoint: %s", job.id, why_not)
             self.store.add_event(Event(at=self.clock(), kind="checkpoint_failed", job_id=job.id,
                                        message=f"not checkpointed, runs on: {why_not}"))
-            self.scheduler.preempt_failed(job.id)
+            self._preempt_failed(job.id)
             self.wake()
             return
         current = self._set(current, JobState.SUSPENDED, reason, allocation=None)
         self.checkpoints.end(job.id)
-        self.scheduler.pin(current.id, self.checkpoints.resume_devices(current.id, self.inventory))
-        self.scheduler.submit(current)
+        self._requeue_pinned(current, self.checkpoints.resume_devices(current.id, self.inventory))
         self.store.add_event(Event(at=self.clock(), kind="checkpoint", job_id=job.id,
                                    message=f"checkpointed; its GPU state waits in host memory: {reason}"))
         self.wake()
@@ -162,8 +176,7 @@ class PreemptionMixin(EngineCore):
         # Still SUSPENDED throughout (no transition): only the GPUs it was given and the reason change.
         current = self.jobs[current.id] = self.store.update(current, allocation=None, reason=why)
         self.store.add_event(Event(at=self.clock(), kind="restore_move_failed", job_id=job.id, message=why))
-        self.scheduler.pin(current.id, own)
-        self.scheduler.submit(current)
+        self._requeue_pinned(current, own)
         self.wake()
         return True
 

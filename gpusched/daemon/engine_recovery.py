@@ -25,6 +25,7 @@ from gpusched.model import (
     JobState,
     run_seconds,
 )
+from gpusched.policy import ChargesDowntime
 
 log = logging.getLogger("gpusched.engine")
 
@@ -84,7 +85,7 @@ class RecoveryMixin(EngineCore):
             self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
         for job_id in was_active:  # ended while no daemon ran: their users are charged the downtime too
             ended = self.jobs.get(job_id) or self.store.get(job_id)
-            if ended is not None and ended.state in TERMINAL_STATES:
+            if ended is not None and ended.state in TERMINAL_STATES and isinstance(self.scheduler, ChargesDowntime):
                 self.scheduler.charge_ended_while_away(ended)
         for uuid, uid in self.launcher.mps.servers():  # caps as the shares that are still there
             if uid is not None:

@@ -14,10 +14,12 @@ import time
 
 from gpusched.arrayspec import ArraySpec, ArraySpecError, parse_array_spec
 from gpusched.construct import construct, fields_of
+from gpusched.core.fairshare import FairShare
 from gpusched.core.scheduler import unsatisfiable_reason
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.groupcommit import Write
 from gpusched.daemon.recovery import StopRequest
+from gpusched.daemon.startup import scheduler_config
 from gpusched.model import (
     TERMINAL_STATES,
     Job,
@@ -25,6 +27,7 @@ from gpusched.model import (
     JobState,
     spec_bytes,
 )
+from gpusched.policy import NO_EXPLANATION, SharesFairly, explanation
 from gpusched.protocol import ErrorCode, ProtocolError, SubmitResult
 
 log = logging.getLogger("gpusched.engine")
@@ -253,17 +256,17 @@ class RequestsMixin(EngineCore):
         if info is not None and job.id in info.waiting:  # the scheduler has not got it yet
             return (f"waiting for array {info.id}'s %{info.max_running}: {len(info.admitted)} of its tasks are "
                     "queued or running; it is handed over when one of them ends")
-        explain = getattr(self.scheduler, "explain", None)
-        if callable(explain):
-            return str(explain(job.id))
+        said = explanation(self.scheduler, job.id)
+        if said is not None:
+            return said
         ahead = sum(1 for j in self.jobs.values() if j.state is JobState.PENDING and j.id < job.id)
-        return f"waiting for free devices; {ahead} job(s) ahead in the queue"
+        return f"pending; {ahead} job(s) submitted before it are pending too ({NO_EXPLANATION})"
 
     def weight_of(self, user: str) -> float:
         """A user's fair-share weight as `top` and `stats` show it: the scheduler's own (a group
         member's share of the group's weight) for a user with work, else what they would have alone
         (their configured weight, or their group's)."""
-        fair = self.scheduler.fair
+        fair = self.scheduler.fair if isinstance(self.scheduler, SharesFairly) else self._configured_fairness()
         if fair.is_active(user):  # (an inactive member's own weight is its base one: not what it gets)
             return float(fair.weight(user))
         try:
@@ -271,6 +274,13 @@ class RequestsMixin(EngineCore):
         except KeyError:
             uid = int(user) if user.isdigit() else None
         return fair.weight_alone(user, uid)
+
+    def _configured_fairness(self) -> FairShare:
+        """For a policy without fair-share state: the weights `[fairness]` configures (nobody active)."""
+        cached = getattr(self, "_fairness_for", None)
+        if cached is None or cached[0] is not self.config:
+            cached = self._fairness_for = (self.config, FairShare(scheduler_config(self.config).fairness))
+        return cached[1]
 
     def user_name(self, uid: int) -> str:
         try:

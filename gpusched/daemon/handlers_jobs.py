@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import Callable
 
 from gpusched.arrayspec import compress
-from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.arraystore import ArrayRow
 from gpusched.daemon.handlers_common import (
     CANCEL_CHUNK,
@@ -38,6 +37,7 @@ from gpusched.model import (
     describe_request,
     display_name,
 )
+from gpusched.policy import Estimates, fairness_order
 from gpusched.protocol import (
     ArraySummary,
     CancelRequest,
@@ -102,9 +102,10 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
         ended_arrays = set(await _read(ctx, lambda r: r.newest_arrays(limit=req.limit, user=req.user)))
     arrays = await _array_summaries(ctx, array_tasks, ended_arrays) if array_tasks or ended_arrays else []
     ordered = sorted([*live, *finished])
-    order = getattr(ctx.engine.scheduler, "fairness_order", None)
-    if req.order == "fairness" and callable(order):
-        rank = {job_id: i for i, job_id in enumerate(order())}
+    # (a policy with no such order lists its pending jobs in submission order: gpusched/policy.py)
+    order = fairness_order(ctx.engine.scheduler) if req.order == "fairness" else None
+    if order is not None:
+        rank = {job_id: i for i, job_id in enumerate(order)}
         # Active and finished jobs first (by id), then pending ones as the scheduler would start them,
         # then those it does not hold yet (held, waiting for --after, held back by an array's %MAX).
 
@@ -178,7 +179,7 @@ def show(ctx: Context, req: ShowRequest) -> ShowResult:
 def _estimate(ctx: Context, job: Job) -> RuntimeEstimate | None:
     """Run-time estimate, expected start (pending) or end (running), when the scheduler makes them."""
     sched = ctx.engine.scheduler
-    if job.state not in (JobState.PENDING, *ACTIVE_STATES) or not isinstance(sched, Scheduler):
+    if job.state not in (JobState.PENDING, *ACTIVE_STATES) or not isinstance(sched, Estimates):
         return None
     est = sched.estimate(job)
     if job.state is JobState.PENDING:

@@ -23,17 +23,19 @@ from pydantic import ValidationError
 import gpusched.core
 from gpusched import __version__
 from gpusched.config import ConfigError, DaemonConfig, describe_errors, load_config
-from gpusched.core.scheduler import Scheduler
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.metrics import MetricsServer
 from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
+from gpusched.daemon.standing import hand_over
 from gpusched.daemon.startup import StartupError as StartupError
+from gpusched.daemon.startup import build_policy as build_policy
 from gpusched.daemon.startup import check_gpu_configs as check_gpu_configs
 from gpusched.daemon.startup import lock_state_dir as lock_state_dir
 from gpusched.daemon.startup import open_cgroups as open_cgroups
 from gpusched.daemon.startup import open_gpu_backend as open_gpu_backend
 from gpusched.daemon.startup import open_store as open_store
+from gpusched.daemon.startup import policy_factory as policy_factory
 from gpusched.daemon.startup import scheduler_config as scheduler_config
 from gpusched.daemon.statelock import StateLock
 from gpusched.daemon.store import Store
@@ -41,6 +43,7 @@ from gpusched.gcpause import LongLivedHeap
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched.model import JobState
+from gpusched.policy import Policy
 from gpusched.protocol import ReloadResult
 
 log = logging.getLogger("gpusched")
@@ -91,13 +94,19 @@ class Daemon:
 
         Weights and quanta take effect by rebuilding the scheduler with what the old one knew (each
         user's place, run-time history, requeue losses, preemption counts), so nobody loses their place.
-        Raises ConfigError (nothing changed) for a bad file.
+        A new `scheduler.policy` is checked (it must load) and waits for a restart: the running policy's
+        state means nothing to another one. Raises ConfigError (nothing changed) for a bad file.
         """
         if self.loader is None:
             raise ConfigError("this daemon was started without a config file; there is nothing to re-read")
         new = await asyncio.to_thread(self.loader)  # (a file on a slow mount must not stall the loop)
         check_gpu_configs(new, self.engine.inventory)  # before anything changes
         old = self.config
+        policy_moved = new.scheduler.policy != old.scheduler.policy
+        if policy_moved:
+            policy_factory(new)  # one that would not load is refused now, not found out at the next restart
+            kept = new.scheduler.model_copy(update={"policy": old.scheduler.policy})
+            new = new.model_copy(update={"scheduler": kept})
         changed = [k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)]
         restart = [k for k in changed if k in RESTART_KEYS]
         live = [k for k in changed if k not in RESTART_KEYS]
@@ -106,7 +115,11 @@ class Daemon:
         except ValidationError as exc:
             raise ConfigError(f"the new configuration does not hold together with the settings that keep their "
                               f"values until a restart ({', '.join(restart)}): {describe_errors(exc)}") from None
+        if policy_moved:
+            restart.append("scheduler.policy")
         engine = self.engine
+        # (built before anything changes: policy options it refuses leave the old configuration running)
+        rebuilt = build_policy(applied) if {"fairness", "scheduler", "mig"} & set(live) else None
         engine.config = applied
         self.config = applied
         self.server.max_connections = applied.max_connections
@@ -115,10 +128,9 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.max_connections = applied.metrics_max_connections
         engine.devices.health.auto_resume_after_s = applied.health_auto_resume_s
-        if {"fairness", "scheduler", "mig"} & set(live):
-            old_scheduler = engine.scheduler
-            engine.scheduler = Scheduler(scheduler_config(applied), incremental=True)
-            engine.scheduler.carry_over(old_scheduler)
+        if rebuilt is not None:
+            hand_over(engine.scheduler, rebuilt)
+            engine.scheduler = rebuilt
             engine.requeue_all()
         not_applied: list[str] = []
         if "gpus" in live:
@@ -162,16 +174,20 @@ def _remove_job_files(executor: Executor, job_ids: list[int]) -> None:
 
 async def start(config: DaemonConfig, backend: GpuBackend | None = None, backend_name: str = "",
                 loader: Callable[[], DaemonConfig] | None = None) -> Daemon:
-    """Boot every part and start serving; raises StartupError with an actionable message."""
+    """Boot every part and start serving; raises StartupError with an actionable message (ConfigError
+    for a `scheduler.policy` that does not load, before anything else is touched)."""
+    factory = policy_factory(config)
+    policy = build_policy(config, factory)
     lock = lock_state_dir(config)  # before anything touches the state of a daemon that may be alive
     try:
-        return await _start_locked(config, lock, backend, backend_name, loader)
+        return await _start_locked(config, lock, policy, factory.name, backend, backend_name, loader)
     except BaseException:
         lock.release()
         raise
 
 
-async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBackend | None, backend_name: str,
+async def _start_locked(config: DaemonConfig, lock: StateLock, policy: Policy, policy_name: str,
+                        backend: GpuBackend | None, backend_name: str,
                         loader: Callable[[], DaemonConfig] | None) -> Daemon:
     try:
         claim_socket_path(config.socket)
@@ -196,8 +212,7 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
     executor.open()  # the fork server, once the daemon sits in its own cgroup leaf (cgroups.py)
     if cgroups is None:
         log.warning("per-job cgroups off: %s; CPU affinity only, --mem not enforced", cgroup_note)
-    engine = Engine(config, store, backend, executor, Scheduler(scheduler_config(config), incremental=True),
-                    cgroups=cgroups)
+    engine = Engine(config, store, backend, executor, policy, cgroups=cgroups)
     engine.cgroup_note = cgroup_note
     stopped = asyncio.Event()
     server = Server(engine, config.socket, backend_name, stopped.set, config.max_connections,
@@ -222,8 +237,9 @@ async def _start_locked(config: DaemonConfig, lock: StateLock, backend: GpuBacke
             await engine.stop()
             store.close()
             raise StartupError(f"metrics_address {config.metrics_address}: cannot listen: {exc.strerror}") from None
-    log.info("gpuschedd %s listening on %s (%s backend, %d GPUs, %s scheduling core)", __version__, config.socket,
-             backend_name, len(engine.inventory.gpus), "compiled" if gpusched.core.NATIVE else "Python")
+    log.info("gpuschedd %s listening on %s (%s backend, %d GPUs, policy %s, %s scheduling core)", __version__,
+             config.socket, backend_name, len(engine.inventory.gpus), policy_name,
+             "compiled" if gpusched.core.NATIVE else "Python")
     daemon = Daemon(config, store, engine, server, backend, stopped, metrics, loader, lock=lock)
     server.reload = daemon.reload
     daemon.pruner = asyncio.create_task(prune_periodically(daemon), name="gpusched-prune")

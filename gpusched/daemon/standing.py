@@ -11,8 +11,21 @@ from typing import Any
 
 from gpusched.core.sched_persist import HANDED_OVER
 from gpusched.daemon.store import Store
+from gpusched.policy import CarriesOver
 
 log = logging.getLogger("gpusched.engine")
+
+
+def hand_over(old: Any, new: Any) -> None:
+    """A reload's new policy instance takes what the old one learned: through its own carry_over
+    when it has one (and is of the same class), else every HANDED_OVER record both can give and take."""
+    if type(new) is type(old) and isinstance(new, CarriesOver):
+        new.carry_over(old)
+        return
+    for _, exporter_name, loader_name, _ in HANDED_OVER:
+        exporter, loader = getattr(old, exporter_name, None), getattr(new, loader_name, None)
+        if callable(exporter) and callable(loader):
+            loader(exporter())
 
 
 def load_scheduler_state(store: Store, scheduler: Any) -> None:

@@ -1,5 +1,6 @@
-"""What gpuschedd opens before it serves: the GPU backend, the cgroup subtree for jobs, and the pure
-core's configuration from the TOML. main.py wires them together (and re-exports these names).
+"""What gpuschedd opens before it serves: the GPU backend, the cgroup subtree for jobs, the pure
+core's configuration from the TOML and the policy it names. main.py wires them together (and
+re-exports these names).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from gpusched.daemon.safepath import unsafe_reason
 from gpusched.daemon.statelock import StateLock, StateLocked
 from gpusched.daemon.store import Store, StoreError
 from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
+from gpusched.policies import PolicyError, PolicyFactory, load_policy
+from gpusched.policy import Policy, PolicyContext
 
 
 class StartupError(Exception):
@@ -125,6 +128,29 @@ def scheduler_config(config: DaemonConfig) -> SchedulerConfig:
         per_user_scan=config.scheduler.per_user_scan,
         max_mig_demand=config.scheduler.max_mig_demand,
     )
+
+
+def policy_factory(config: DaemonConfig) -> PolicyFactory:
+    """`[scheduler] policy`, imported and checked: ConfigError naming `scheduler.policy` (exit 2 at
+    start, a refused reload) for one that does not load or that gpuschedd cannot run."""
+    try:
+        factory = load_policy(config.scheduler.policy, field="scheduler.policy")
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    why_not = factory.why_not_daemon()
+    if why_not is not None:
+        raise ConfigError(why_not)
+    return factory
+
+
+def build_policy(config: DaemonConfig, factory: PolicyFactory | None = None) -> Policy:
+    """A new instance of the configured policy, built with the core's knobs and
+    `[scheduler.policy_options]` (gpusched/policy.py, PolicyContext); ConfigError as policy_factory."""
+    factory = factory if factory is not None else policy_factory(config)
+    try:
+        return factory.make(PolicyContext(scheduler_config(config), dict(config.scheduler.policy_options)))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def open_cgroups(config: DaemonConfig) -> tuple[CgroupManager | None, str]:

@@ -6,6 +6,8 @@ modes), (b) how a trace request becomes a request that policy can serve (a Kuber
 cannot give 0.3 of a GPU, so fifo-whole rounds it up), and (c) the planner that decides. gpusched is
 the production `core.Scheduler` itself; the baselines are `core.FifoScheduler` or a small FCFS
 planner with the same `plan(snapshot, now) -> [Action]` shape, so the simulator treats all alike.
+Every planner, built-in or a site's `package.module:Class`, is loaded and built through
+gpusched/policies.py; a plug-in gets the fifo-whole node (docs/policies.md).
 docs/replay.md documents every choice made here.
 """
 
@@ -15,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from gpusched.core.scheduler import Action, FailJob, FifoScheduler, Scheduler, Snapshot, StartJob
+from gpusched.core.scheduler import Action, FailJob, Snapshot, StartJob
 from gpusched.gpu.profiles import MODELS, MigProfile, get_model, place_layout, profile_by_name
 from gpusched.model import (
     ACTIVE_STATES,
@@ -26,6 +28,8 @@ from gpusched.model import (
     ShareRequest,
     WholeRequest,
 )
+from gpusched.policies import PolicyFactory, load_policy
+from gpusched.policy import PolicyContext
 from gpusched.replay.replayconfig import (
     STATIC_CLASSES,
     Interference,
@@ -39,7 +43,7 @@ from gpusched.replay.trace import Request, TraceJob
 __all__ = [
     "POLICIES", "STATIC_CLASSES", "Interference", "NodePlan", "Planner", "PolicySetup", "ReplayConfig",
     "ReplayConfigError", "TimesliceFifo", "config_from_dict", "load_config", "parse_gpus", "setup",
-    "static_layout", "user_weights",
+    "static_layout", "timeslice_fifo", "user_weights",
 ]
 
 POLICIES: tuple[str, ...] = ("gpusched", "fifo-whole", "fifo-timeslice", "static-mig")
@@ -93,6 +97,11 @@ class TimesliceFifo:
         return actions
 
 
+def timeslice_fifo(context: PolicyContext) -> TimesliceFifo:
+    """`fifo-timeslice` as gpusched/policies.py builds it: `replicas` from the context's options."""
+    return TimesliceFifo(int(context.options.get("replicas", 4)))
+
+
 def _fraction(req: MigRequest | ShareRequest) -> float:
     if isinstance(req, ShareRequest):
         return req.fraction
@@ -126,7 +135,6 @@ class PolicySetup:
     node: NodePlan
     convert: Callable[[TraceJob], Request]
     make_planner: Callable[[], Planner]
-    incremental: bool = False
 
 
 def parse_gpus(spec: str) -> tuple[str, ...]:
@@ -218,20 +226,31 @@ def _mig_for_share(job: TraceJob, model: str, max_waste: float) -> str | None:
 
 
 def setup(name: str, models: Sequence[str], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
-    """The named policy on a node of `models` (one per GPU), sized where needed from `jobs`."""
+    """The named policy (a built-in or package.module:Class) on a node of `models` (one per GPU),
+    sized where needed from `jobs`. PolicyError (a ValueError) for one that does not load."""
     models = tuple(models)
+    factory = load_policy(name, field="--policy")
+    if not factory.builtin:
+        return _plugin(factory, models, config)
     if name == "gpusched":
-        return _gpusched(models, jobs, config)
+        return _gpusched(factory, models, jobs, config)
     if name == "fifo-whole":
         node = NodePlan(models, description=f"{len(models)} whole GPUs, MIG off, exclusive")
-        return PolicySetup(name, node, _round_up, FifoScheduler)
+        return PolicySetup(name, node, _round_up, lambda: factory.make(PolicyContext(config.scheduler)))
     if name == "fifo-timeslice":
         node = NodePlan(models, timeslice=True,
                         description=f"{len(models)} GPUs time-sliced, <= {config.timeslice_replicas} jobs each")
-        return PolicySetup(name, node, _keep, lambda: TimesliceFifo(config.timeslice_replicas))
-    if name == "static-mig":
-        return _static_mig(models, jobs, config)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or all")
+        context = PolicyContext(config.scheduler, {"replicas": config.timeslice_replicas})
+        return PolicySetup(name, node, _keep, lambda: factory.make(context))
+    return _static_mig(factory, models, jobs, config)
+
+
+def _plugin(factory: PolicyFactory, models: tuple[str, ...], config: ReplayConfig) -> PolicySetup:
+    """A site's policy: whole GPUs, MIG off, exclusive, shares and MIG asks rounded up to one GPU (as
+    fifo-whole), so its figures compare with the baselines' and gpusched's on the same trace."""
+    node = NodePlan(models, description=f"{len(models)} whole GPUs, MIG off, exclusive (plug-in {factory.spec})")
+    context = PolicyContext(config.scheduler, dict(config.policy_options))
+    return PolicySetup(factory.name, node, _round_up, lambda: factory.make(context))
 
 
 def _round_up(job: TraceJob) -> Request:
@@ -244,7 +263,8 @@ def _keep(job: TraceJob) -> Request:
     return job.request
 
 
-def _static_mig(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
+def _static_mig(factory: PolicyFactory, models: tuple[str, ...], jobs: Sequence[TraceJob],
+                config: ReplayConfig) -> PolicySetup:
     model = models[-1]
     if config.static_layouts is not None:
         if len(config.static_layouts) != len(models):
@@ -278,10 +298,11 @@ def _static_mig(models: tuple[str, ...], jobs: Sequence[TraceJob], config: Repla
     desc = ", ".join(f"{classes.count(c)} x {c if c == 'whole' else '/'.join(static_layout(model, c))}"
                      for c in ("whole", "3g", "2g", "1g") if c in offered)
     node = NodePlan(models, static_layouts=layouts, description=f"static MIG: {desc}")
-    return PolicySetup("static-mig", node, convert, FifoScheduler)
+    return PolicySetup("static-mig", node, convert, lambda: factory.make(PolicyContext(config.scheduler)))
 
 
-def _gpusched(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
+def _gpusched(factory: PolicyFactory, models: tuple[str, ...], jobs: Sequence[TraceJob],
+              config: ReplayConfig) -> PolicySetup:
     n = len(models)
     model = models[-1]
     mig_units = 0.0
@@ -336,7 +357,7 @@ def _gpusched(models: tuple[str, ...], jobs: Sequence[TraceJob], config: ReplayC
     desc = (f"{n - m} MIG-off GPUs ({config.share_mode} shares), {m} dynamic-MIG GPUs ({note})")
     node = NodePlan(models, dynamic=dynamic, share_mode=config.share_mode, checkpoint=config.checkpoint,
                     description=desc)
-    return PolicySetup("gpusched", node, convert, lambda: Scheduler(sched_cfg, incremental=True), incremental=True)
+    return PolicySetup("gpusched", node, convert, lambda: factory.make(PolicyContext(sched_cfg)))
 
 
 def user_weights(jobs: Sequence[TraceJob], config: ReplayConfig) -> dict[str, float]:

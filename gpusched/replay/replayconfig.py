@@ -79,6 +79,7 @@ class ReplayConfig:
     mig_max_waste: float = 0.05  # gpusched: serve a flexible share with MIG if it wastes <= this
     timeslice_replicas: int = 4  # fifo-timeslice: jobs per GPU at most
     static_layouts: tuple[str, ...] | None = None  # static-mig: class per GPU; None = sized from trace
+    policy_options: Mapping[str, Any] = field(default_factory=dict)  # [scheduler.policy_options], for plug-ins
 
 
 _SECTIONS = {"fairness", "scheduler", "mig", "estimator", "replay", "interference"}
@@ -111,6 +112,9 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayC
         mig = _build(MigPolicy, data.get("mig", {}), "mig", source)
         estimator = _build(EstimatorConfig, data.get("estimator", {}), "estimator", source)
         sched_kw = dict(data.get("scheduler", {}))
+        options = sched_kw.pop("policy_options", {})
+        if not isinstance(options, Mapping):
+            raise ReplayConfigError(f"{source}: [scheduler.policy_options] must be a table")
         for bad in ("fairness", "mig", "estimator"):
             if bad in sched_kw:
                 raise ReplayConfigError(f"{source}: [scheduler] {bad}: use the [{bad}] section")
@@ -118,9 +122,12 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayC
                        "scheduler", source)
         interference = _build(Interference, data.get("interference", {}), "interference", source)
         rep = dict(data.get("replay", {}))
+        if "policy_options" in rep:
+            raise ReplayConfigError(f"{source}: [replay] policy_options: use the [scheduler.policy_options] table")
         mig_gpus = rep.pop("mig_gpus", "auto")
         layouts = rep.pop("static_layouts", None)
-        cfg = _build(ReplayConfig, {**rep, "scheduler": sched, "interference": interference}, "replay", source)
+        cfg = _build(ReplayConfig, {**rep, "scheduler": sched, "interference": interference,
+                                    "policy_options": dict(options)}, "replay", source)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ReplayConfigError):
             raise
@@ -151,7 +158,7 @@ _DAEMON_SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "mig": (MigSection, {}),
     "estimator": (SchedulerSection, {"history": "estimate_history", "elapsed_factor": "estimate_elapsed_factor"}),
 }
-_NESTED = {"scheduler", "interference", "fairness", "mig", "estimator"}
+_NESTED = {"scheduler", "interference", "fairness", "mig", "estimator", "policy_options"}
 
 
 def _build(cls: Any, values: Any, section: str, source: str) -> Any:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from gpusched.gcpause import LongLivedHeap, gc_paused
 from gpusched.gpu.profiles import MODELS
 from gpusched.model import MigRequest
+from gpusched.policies import load_policy
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
 from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_gpus, setup, user_weights
 from gpusched.replay.sim import SimResult, run_policy
@@ -32,12 +33,16 @@ class ReplayReport:
 
 
 def resolve_policies(name: str) -> list[str]:
-    """`all` or one policy name -> the list to run; ValueError names the valid choices."""
-    if name == "all":
-        return list(POLICIES)
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or all")
-    return [name]
+    """`--policy`: comma-separated built-in names and `package.module:Class` plug-ins, `all` for every
+    built-in -> the list to run, each loaded once here so a bad one is reported before the trace is
+    read (PolicyError, a ValueError naming --policy and the problem)."""
+    chosen: list[str] = []
+    for item in (part.strip() for part in name.split(",")):
+        for spec in (POLICIES if item == "all" else (item,)):
+            if spec not in chosen:
+                load_policy(spec, field="--policy")
+                chosen.append(spec)
+    return chosen
 
 
 def check_profiles(trace_path: str, trace: Trace, models: Sequence[str]) -> None:

@@ -97,11 +97,11 @@ class Simulator(SimBase):
         self.pending[jid] = job
         self.durations[jid] = tj.duration_s
         self.requested[jid] = tj.gpu_demand * tj.duration_s
-        if self.policy.incremental and isinstance(self.planner, Scheduler):
-            self.planner.submit(job)
+        if self.queue is not None:
+            self.queue.submit(job)
 
     def _snapshot(self) -> Snapshot:
-        pending = () if self.policy.incremental else tuple(self.pending.values())
+        pending = () if self.queue is not None else tuple(self.pending.values())
         return Snapshot(gpus=self.gpus, pending=pending, active=tuple(self.active.values()),
                         share_modes=self.share_modes, dynamic=self.policy.node.dynamic,
                         checkpoint=self.policy.node.checkpoint, checkpoint_moves=self.policy.node.checkpoint,
@@ -237,8 +237,8 @@ class Simulator(SimBase):
         job = self._set(job, JobState.PENDING, "requeued after preemption", allocation=None, started_at=None,
                         ended_at=None)
         self.pending[job.id] = job
-        if self.policy.incremental and isinstance(self.planner, Scheduler):
-            self.planner.submit(job)
+        if self.queue is not None:
+            self.queue.submit(job)
 
     def _suspend(self, job: Job, reason: str) -> None:
         """SIGSTOP in place: no progress and no compute (its co-residents speed up), memory kept."""
@@ -286,8 +286,8 @@ class Simulator(SimBase):
             job = self._set(job, JobState.TIMEOUT, "time limit reached", ended_at=self.now)
         else:
             job = self._set(job, JobState.COMPLETED, "exited 0", ended_at=self.now, exit_code=0)
-        if isinstance(self.planner, Scheduler):
-            self.planner.observe_end(job)
+        if self.learner is not None:
+            self.learner.observe_end(job)
 
     # ---- timers ----------------------------------------------------------------------------------
     def _schedule_wakes(self) -> None:

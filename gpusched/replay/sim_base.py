@@ -18,6 +18,7 @@ from gpusched.gpu.nvml import NvmlBackend
 from gpusched.gpu.profiles import place_layout
 from gpusched.gpu.simnvml import SimNVML
 from gpusched.model import Allocation, Job, JobSpec, JobState, Transition
+from gpusched.policy import Incremental, LearnsRunTimes, is_incremental
 from gpusched.replay.policies import Interference, Planner, PolicySetup
 from gpusched.replay.trace import TraceJob
 
@@ -90,6 +91,12 @@ class SimBase:
         if node.share_mode != "exclusive":
             self.share_modes = {g.uuid: node.share_mode for g in self.gpus if not g.mig_enabled}
         self.planner: Planner = policy.make_planner()
+        # What the planner can do besides plan (gpusched/policy.py), asked once: keep its own queue
+        # (then it is told of arrivals and requeues, and shown no pending jobs), learn from ends.
+        planner = self.planner
+        self.queue: Incremental | None = (planner if is_incremental(planner) and isinstance(planner, Incremental)
+                                          else None)
+        self.learner: LearnsRunTimes | None = planner if isinstance(planner, LearnsRunTimes) else None
         self.now = 0.0
         self.jobs: dict[int, Job] = {}
         self.pending: dict[int, Job] = {}

@@ -20,7 +20,8 @@ from gpusched_cli.exits import EXIT_ERROR, EXIT_USAGE
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="replay TOML: [fairness] [scheduler] [mig] [replay] [interference] (docs/replay.md)")
 @click.option("--policy", default="all", show_default=True,
-              help="gpusched, fifo-whole, fifo-timeslice, static-mig, or all")
+              help="comma-separated: gpusched, fifo-whole, fifo-timeslice, static-mig, all (the four), or a "
+              "plug-in as package.module:Class (docs/policies.md)")
 @click.option("--load", type=float, default=None, help="scale arrivals to this offered load (alibaba default 0.9)")
 @click.option("--users", type=click.IntRange(1, 100000), default=16, show_default=True,
               help="alibaba: pods are spread over this many users (hash of name and seed)")
