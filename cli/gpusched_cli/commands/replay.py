@@ -69,6 +69,8 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
     if as_json:
         for summary in report.summaries:
             echo(json.dumps(summary))
+        for skipped in report.skipped:  # (stdout keeps one summary per line)
+            echo(f"gpusched: {skipped.policy} skipped: {skipped.reason}", err=True)
     else:
         echo(runner.render_table(report))
     if plot_path is not None:
