@@ -30,8 +30,9 @@ def vendor_of_model(model: str) -> str | None:
 
 
 def models_of_spec(spec: str) -> list[str]:
-    """The model keys a `MODEL[:COUNT][,...]` spec names (counts are left to the simulators)."""
-    return [part.strip().partition(":")[0].strip() for part in spec.split(",") if part.strip()]
+    """The model keys a `MODEL[:COUNT][@MODE][,...]` spec names (counts and AMD start modes are left
+    to the simulators)."""
+    return [part.strip().partition("@")[0].partition(":")[0].strip() for part in spec.split(",") if part.strip()]
 
 
 def vendor_of_spec(spec: str) -> str:

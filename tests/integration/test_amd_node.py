@@ -163,3 +163,32 @@ def test_mixed_vendors_in_sim_are_refused(tmp_path: object) -> None:
     assert "Traceback" not in out.stderr
     assert "mixes NVIDIA (H100-80GB) and AMD (MI300X) models" in out.stderr, out.stderr
     assert not os.path.exists(os.path.join(str(tmp_path), "g.sock"))
+
+
+def test_cpx_logical_gpus_are_scheduled_one_by_one(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """`--sim MI300X:1@CPX`: one physical GPU as 8 logical GPUs of 38 CUs and 24 GiB; a 2-GPU job gets
+    two of them, named to ROCr by their indices, which are the GPUs its allocation holds."""
+    d = daemon_factory("MI300X:1@CPX")
+    with d.client() as c:
+        gpus = c.call(GpusRequest(), GpusResult).gpus
+        assert [(g.partition.index_in_physical, g.partition.count, g.partition.compute_mode)  # type: ignore[union-attr]
+                for g in gpus] == [(i, 8, "CPX") for i in range(8)]
+        assert {(g.sm_count, g.memory_total_mib) for g in gpus} == {(38, 24 * 1024)}
+        assert len({g.uuid for g in gpus}) == 8  # one id per logical GPU, though amdsmi's UUID is shared
+        job_id = submit(c, spec("sh", "-c", ENV_DUMP, gpus=2))
+        seen = _visible(c, job_id)
+        job = wait_done(c, job_id).job
+        assert job.allocation is not None
+        by_uuid = {g.uuid: g.index for g in gpus}
+        held = [by_uuid[u] for u in job.allocation.uuids]
+        assert seen["ROCR_VISIBLE_DEVICES"] == ",".join(map(str, held)) and len(held) == 2
+        assert seen["HIP_VISIBLE_DEVICES"] == "0,1"
+        with pytest.raises(ProtocolError) as err:
+            submit(c, spec("true", gpus=9))
+        assert err.value.code is ErrorCode.UNSATISFIABLE
+
+
+def test_a_start_mode_the_gpu_does_not_run_is_refused(tmp_path: object) -> None:
+    out = _run_daemon(str(tmp_path), "MI300X:1@DPX/NPS4", "")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "MI300X does not run DPX/NPS4" in out.stderr and "QPX/NPS4" in out.stderr
