@@ -24,7 +24,7 @@ from gpusched.protocol import (
     QueueResult,
 )
 from gpusched_cli.client import Client
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, DaemonProcess
 from tests.integration.test_daemon import spec, submit, wait_done
 
 ENV_DUMP = "env | grep -E '^(ROCR|HIP|CUDA)_VISIBLE_DEVICES=|^GPU_DEVICE_ORDINAL=' | sort"
@@ -192,3 +192,23 @@ def test_a_start_mode_the_gpu_does_not_run_is_refused(tmp_path: object) -> None:
     out = _run_daemon(str(tmp_path), "MI300X:1@DPX/NPS4", "")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "MI300X does not run DPX/NPS4" in out.stderr and "QPX/NPS4" in out.stderr
+
+
+def test_reload_refuses_mps_on_an_amd_gpu_and_keeps_the_old_config(
+        daemon_process: Callable[..., DaemonProcess]) -> None:
+    proc = daemon_process("MI300X:2").start()
+    proc.write_config('[gpus.1]\nshare = "timeslice"\n')
+    done = _gs(proc, "admin", "reload")
+    assert done.returncode == 0, done.stderr
+    proc.write_config('[gpus.1]\nshare = "mps"\n')
+    done = _gs(proc, "admin", "reload")
+    assert done.returncode != 0
+    assert "configuration not reloaded" in done.stderr and "gpus.1.share" in done.stderr
+    assert "MPS is NVIDIA only" in done.stderr
+    shown = _gs(proc, "gpus")
+    assert shown.stdout.count("share timeslice") == 1, shown.stdout  # GPU 1 kept the reloaded mode
+
+
+def _gs(proc: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", proc.socket, *args],
+                          capture_output=True, text=True, timeout=60)
