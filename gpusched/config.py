@@ -44,7 +44,9 @@ class DaemonConfig(BaseModel):
     sim: str | None = Field(
         default=None,
         description="simulated GPUs, e.g. \"H100-80GB:2\" or \"GH200-96GB:2,H200:2\"; models: A100-40GB, A100-80GB, "
-        "H100-80GB, H100-PCIe, H100-NVL, H200, GH200-96GB, GH200-144GB; unset = real NVML",
+        "H100-80GB, H100-PCIe, H100-NVL, H200, GH200-96GB, GH200-144GB (NVIDIA, simulated NVML), MI300X, MI325X "
+        "(AMD Instinct, simulated amdsmi; each logical GPU is one GPU); one vendor per spec; unset = the real "
+        "driver (NVML, else amdsmi)",
     )
     admin_group: str | None = Field(default=None, description="members of this group may act on every job")
     allow_root_jobs: bool = Field(default=False, description="run jobs submitted by root (off: refused)")

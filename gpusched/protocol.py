@@ -40,6 +40,7 @@ from gpusched.protocol_results import JobsChanged as JobsChanged
 from gpusched.protocol_results import JobSummary as JobSummary
 from gpusched.protocol_results import LogsResult as LogsResult
 from gpusched.protocol_results import MigApplyResult as MigApplyResult
+from gpusched.protocol_results import PartitionInfo as PartitionInfo
 from gpusched.protocol_results import PlannedInstance as PlannedInstance
 from gpusched.protocol_results import QueueResult as QueueResult
 from gpusched.protocol_results import ReloadResult as ReloadResult

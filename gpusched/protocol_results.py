@@ -153,6 +153,17 @@ class InstanceInfo(_Res):
     gi_id: int | None = Field(default=None, description="the GPU instance id (for `sim inject-xid --gi`)")
 
 
+class PartitionInfo(_Res):
+    """Where an AMD Instinct logical GPU sits: its physical GPU and that GPU's partition modes."""
+
+    physical_index: int = Field(description="the physical GPU (amdsmi socket), in enumeration order")
+    physical_uuid: str
+    compute_mode: str = Field(description="SPX, DPX, QPX or CPX: how many logical GPUs the physical GPU forms")
+    memory_mode: str = Field(description="NPS1 or NPS4: how many NUMA memory partitions its HBM forms")
+    index_in_physical: int = Field(description="this logical GPU's partition id, 0 .. count-1")
+    count: int = Field(description="logical GPUs of the physical GPU in this compute mode")
+
+
 class GpuInfo(_Res):
     index: int
     uuid: str
@@ -169,6 +180,10 @@ class GpuInfo(_Res):
     users: list[str]
     share: str = Field(default="exclusive", description="exclusive | mps | timeslice, from the daemon's config")
     interactive: bool = Field(default=False, description="reserved for --class interactive jobs")
+    vendor: str = Field(default="nvidia", description="nvidia or amd")
+    partition: PartitionInfo | None = Field(
+        default=None, description="AMD Instinct: the logical GPU's physical GPU and partition modes; null on NVIDIA"
+    )
 
 
 class GpusResult(_Res):

@@ -246,8 +246,14 @@ def gpus_text(result: GpusResult | JSON) -> str:
         instances = gpu["instances"]
         lines.append("")
         lines.append(f"GPU {gpu['index']}  {gpu['model']}  {gpu['name']}  {gpu['uuid']}")
+        part = gpu.get("partition")
+        if part:  # an AMD logical GPU: which physical GPU, in which modes
+            lines.append(f"  partition {part['index_in_physical']} of {part['count']} on physical GPU "
+                         f"{part['physical_index']}, {part['compute_mode']}/{part['memory_mode']}")
+        amd = gpu.get("vendor") == "amd"
         lines.append(
-            f"  memory {format_mib(gpu['memory_total_mib'])}{used}, {gpu['sm_count']} SMs, {_mig_mode(gpu)}, "
+            f"  memory {format_mib(gpu['memory_total_mib'])}{used}, {gpu['sm_count']} {'CUs' if amd else 'SMs'}, "
+            f"{'no MIG (AMD)' if amd else _mig_mode(gpu)}, "
             f"share {gpu.get('share', 'exclusive')}{', interactive only' if gpu.get('interactive') else ''}, "
             f"health {gpu['health']}"
         )

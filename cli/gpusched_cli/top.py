@@ -73,7 +73,7 @@ def _gpu_lines(gpu: GpuInfo, width: int) -> list[str]:
     mem = _bar(used / gpu.memory_total_mib if gpu.memory_total_mib else 0.0)
     health = "" if gpu.health == "ok" else f"  [{gpu.health}]"
     lines = [f"GPU {gpu.index} {gpu.model:<10} mem {mem} {format_mib(used)}/{format_mib(gpu.memory_total_mib)}"
-             f"  {'MIG' if gpu.mig_enabled else 'whole'}"
+             f"  {'MIG' if gpu.mig_enabled else _whole(gpu)}"
              f"{'' if gpu.share == 'exclusive' else ' ' + gpu.share}{' interactive' if gpu.interactive else ''}"
              f"{health}"]
     if gpu.mig_enabled:
@@ -81,6 +81,15 @@ def _gpu_lines(gpu: GpuInfo, width: int) -> list[str]:
     elif gpu.jobs:
         lines.append(f"  jobs {', '.join(map(str, gpu.jobs))} ({', '.join(gpu.users)})")
     return lines
+
+
+def _whole(gpu: GpuInfo) -> str:
+    """`whole`, or for an AMD logical GPU where it sits: `p0 2/8 CPX/NPS1` is partition 2 of the 8
+    of physical GPU 0, in CPX/NPS1 mode."""
+    p = gpu.partition
+    if p is None:
+        return "whole"
+    return f"p{p.physical_index} {p.index_in_physical}/{p.count} {p.compute_mode}/{p.memory_mode}"
 
 
 def mig_strip(gpu: GpuInfo, width: int) -> str:

@@ -42,6 +42,11 @@ def unsatisfiable_reason(
             )
         return None
     if isinstance(request, MigRequest):
+        amd = [g for g in gpus if g.vendor == "amd"]
+        if amd and len(amd) == len(gpus):
+            return (f"asks for MIG profile {request.profile} but this node's GPUs are AMD Instinct "
+                    f"({', '.join(sorted({g.model for g in amd}))}) logical GPUs, which have no MIG; "
+                    "ask for whole logical GPUs with --gpus N (or a time-sliced share where one is configured)")
         offered = sorted({i.profile for g in gpus for i in g.instances})
         if request.profile in offered:
             return None
@@ -62,6 +67,9 @@ def unsatisfiable_reason(
             if modes.get(inst.uuid) in ("mps", "timeslice"):
                 shared.append((f"{inst.profile} on GPU {g.index}", inst.memory_mib))
     if not shared:
+        if gpus and all(g.vendor == "amd" for g in gpus):
+            return ("asks for a GPU share but no GPU on this node is configured for sharing; AMD GPUs share only "
+                    "time-sliced ([gpus.N] share = \"timeslice\"; there is no MPS on AMD)")
         return "asks for a GPU share but no device on this node is configured for sharing (mps or timeslice)"
     largest = max(m for _, m in shared)
     if request.gpu_mem_mib > largest:

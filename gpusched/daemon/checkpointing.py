@@ -81,6 +81,7 @@ class Checkpoints:
         self.moves_setting: MovesSetting = moves
         self.sim_dir = sim_dir  # the simulated program's state dir: it learns the node's GPUs there
         self.driver_version: str | None = None  # from the inventory
+        self.amd = False  # the node's GPUs are AMD Instinct: cuda-checkpoint does not apply
         self._gpus_written: dict[str, str] | None = None
         self.saved: dict[int, Saved] = _load(store.get_meta(META_KEY))
         self.underway: dict[int, list[int]] = _load_underway(store.get_meta(UNDERWAY_KEY))
@@ -106,13 +107,13 @@ class Checkpoints:
 
     @property
     def enabled(self) -> bool:
-        return self.tool is not None
+        return self.tool is not None and not self.amd
 
     @property
     def moves(self) -> bool:
         """May a checkpointed job be restored on other GPUs of its model? The config says, and on
         "auto" the driver: `--device-map` needs r580 (an older one would fail every moved restore)."""
-        if self.tool is None or self.moves_setting is False:
+        if self.tool is None or self.amd or self.moves_setting is False:
             return False
         return self.moves_setting is True or driver_can_move(self.driver_version)
 
@@ -121,7 +122,8 @@ class Checkpoints:
         checkpointing at all); on --sim the simulated program is told the GPUs and their models,
         which the real program learns from the driver, so it can refuse a map across models."""
         self.driver_version = inventory.driver_version or None
-        if self.sim_dir is None:
+        self.amd = any(g.vendor == "amd" for g in inventory.gpus)
+        if self.sim_dir is None or self.amd:
             return
         gpus = {g.uuid: g.model for g in inventory.gpus}
         if gpus != self._gpus_written:
@@ -174,6 +176,8 @@ class Checkpoints:
         """Why this job cannot be checkpointed now, or None when it can."""
         if self.tool is None:
             return "checkpointing is off"
+        if self.amd:
+            return "cuda-checkpoint is NVIDIA only; this node's GPUs are AMD"
         if job.state is not JobState.RUNNING or not job.pid:
             return f"job is {job.state}, not RUNNING"
         return unsupported_reason(job.allocation, machine=self.machine, driver_version=self.driver_version)

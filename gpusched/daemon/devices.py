@@ -18,6 +18,7 @@ from gpusched.core.migplan import LayoutChange, plan_layout_change
 from gpusched.daemon.store import Store
 from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory, XidEvent
 from gpusched.gpu.health import HealthAction, HealthDecision, HealthTracker, decide, gpu_device_key
+from gpusched.gpu.simamdsmi import SimAmdSmi
 from gpusched.gpu.simnvml import SimNVML
 from gpusched.model import Event
 
@@ -210,6 +211,12 @@ def resolve_device(device: str, inventory: Inventory) -> list[str]:
                 return [inst.uuid]
     known = ", ".join(str(g.index) for g in inventory.gpus)
     raise DeviceError(f"no GPU or MIG instance {device!r} (GPU indices: {known}; or give a GPU-/MIG- UUID)")
+
+
+def amd_simulator_of(backend: GpuBackend) -> SimAmdSmi | None:
+    """The simulated amdsmi behind `backend`, if it is one (`gpuschedd --sim MI300X:2`)."""
+    module = getattr(backend, "module", None)
+    return module if isinstance(module, SimAmdSmi) else None
 
 
 def simulator_of(backend: GpuBackend) -> SimNVML | None:

@@ -44,10 +44,11 @@ def _check(name: str, status: Status, detail: str, hint: str = "") -> DoctorChec
 def _driver(engine: Engine) -> Iterable[DoctorCheck]:
     inv = engine.inventory
     if not inv.gpus:
-        yield _check("nvml", FAIL, "no GPUs visible", "check `nvidia-smi`; or run gpuschedd --sim for a trial")
+        yield _check("nvml", FAIL, "no GPUs visible", "check `nvidia-smi` (NVIDIA) or `amd-smi list` (AMD); or "
+                     "run gpuschedd --sim for a trial")
         return
-    yield _check("nvml", PASS, f"{inv.backend or 'nvml'} driver {inv.driver_version or 'unknown'}, "
-                 f"{len(inv.gpus)} GPU(s)")
+    yield _check("amdsmi" if _amd(engine) else "nvml", PASS,
+                 f"{inv.backend or 'nvml'} driver {inv.driver_version or 'unknown'}, {len(inv.gpus)} GPU(s)")
     for index, why in sorted(inv.errors.items()):
         yield _check(f"gpu{index}.readable", FAIL, why, "the GPU is unschedulable until this is fixed")
 
@@ -73,9 +74,21 @@ def _drains(engine: Engine) -> Iterable[DoctorCheck]:
                      "see the gpuN checks above")
 
 
+def _amd(engine: Engine) -> bool:
+    return any(g.vendor == "amd" for g in engine.inventory.gpus)
+
+
 def _mig(engine: Engine) -> Iterable[DoctorCheck]:
+    """NVIDIA: MIG support and pending mode changes. AMD: the partition each logical GPU is (no MIG)."""
     for gpu in engine.inventory.gpus:
         name = f"gpu{gpu.index}.mig"
+        if gpu.vendor == "amd":
+            p = gpu.partition
+            where = (f"partition {p.index_in_physical} of {p.count} on physical GPU {p.physical_index}, "
+                     f"{p.compute_mode}/{p.memory_mode}" if p is not None else "not partitioned")
+            yield _check(f"gpu{gpu.index}.partition", PASS,
+                         f"{gpu.model} logical GPU ({where}), {gpu.sm_count} CUs: scheduled as a whole GPU")
+            continue
         if gpu.model not in MODELS:
             yield _check(name, WARN, f"{gpu.name}: no MIG profile table (MIG needs Ampere A100/A30 or newer)",
                          "whole-GPU and share jobs still work")
@@ -89,8 +102,9 @@ def _mig(engine: Engine) -> Iterable[DoctorCheck]:
 
 
 def _foreign_processes(engine: Engine) -> Iterable[DoctorCheck]:
-    """CUDA processes that no gpusched job started: they block MIG changes and eat memory."""
+    """GPU processes that no gpusched job started: they block MIG (or AMD partition) changes and eat memory."""
     job_sessions = {j.pid for j in engine.jobs.values() if j.pid}
+    kind = "GPU" if _amd(engine) else "CUDA"
     foreign: list[str] = []
     for gpu in engine.inventory.gpus:
         for uuid in [gpu.uuid, *(i.uuid for i in gpu.instances)]:
@@ -102,10 +116,10 @@ def _foreign_processes(engine: Engine) -> Iterable[DoctorCheck]:
                 if session_of(p.pid) not in job_sessions:
                     foreign.append(f"pid {p.pid} ({_owner(p.pid)}: {_command(p.pid)}) on GPU {gpu.index}")
     if foreign:
-        yield _check("processes", WARN, "CUDA processes not started by gpusched: " + "; ".join(sorted(set(foreign))),
+        yield _check("processes", WARN, f"{kind} processes not started by gpusched: " + "; ".join(sorted(set(foreign))),
                      "they block MIG changes on their GPU; ask their owners to submit through gpusched")
     else:
-        yield _check("processes", PASS, "every CUDA process belongs to a gpusched job")
+        yield _check("processes", PASS, f"every {kind} process belongs to a gpusched job")
 
 
 def _numa(engine: Engine) -> Iterable[DoctorCheck]:

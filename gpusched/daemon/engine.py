@@ -337,8 +337,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self.metrics.observe_wait(now - pending_since(job))
         try:
             try:
-                added = allocation_env(job, action.allocation, self.config) | await self.launcher.share_env(
-                    job.id, action.allocation, self.share_modes(), job.uid) | self.arrays.env(job)
+                added = allocation_env(job, action.allocation, self.config, self.inventory.gpus) | (
+                    await self.launcher.share_env(job.id, action.allocation, self.share_modes(), job.uid)
+                ) | self.arrays.env(job)
             except GpuError as exc:
                 self._set(job, JobState.FAILED, f"could not start MPS for its device: {exc.message}", ended_at=now)
                 return

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from gpusched.config import ConfigError
 from gpusched.core.accounting import UserStats, device_busy_fraction, fairness_index, user_stats
-from gpusched.daemon.devices import DeviceError, simulator_of
+from gpusched.daemon.devices import DeviceError, amd_simulator_of, simulator_of
 from gpusched.daemon.doctor import run_checks
 from gpusched.daemon.handlers_common import (
     Context,
@@ -18,7 +18,8 @@ from gpusched.daemon.handlers_common import (
 )
 from gpusched.daemon.launch import gpu_memory_by_job
 from gpusched.daemon.store import StoreReader
-from gpusched.gpu.backend import GpuError
+from gpusched.gpu.backend import Gpu, GpuError
+from gpusched.gpu.simamdsmi import SimAmdSmi
 from gpusched.model import (
     ACTIVE_STATES,
     Job,
@@ -39,6 +40,7 @@ from gpusched.protocol import (
     InstanceInfo,
     MigApplyRequest,
     MigApplyResult,
+    PartitionInfo,
     PlannedInstance,
     ProtocolError,
     ReloadRequest,
@@ -100,6 +102,9 @@ async def mig_apply(ctx: Context, req: MigApplyRequest) -> MigApplyResult:
 def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     _require_admin(ctx, "inject faults")
     sim = simulator_of(ctx.engine.backend)
+    amd = amd_simulator_of(ctx.engine.backend)
+    if amd is not None:
+        return _inject_amd(ctx, amd, req)
     if sim is None:
         raise ProtocolError(ErrorCode.INVALID_STATE, "this daemon drives real GPUs; faults can only be "
                             "injected into simulated ones (gpuschedd --sim)")
@@ -111,6 +116,30 @@ def sim_inject_xid(ctx: Context, req: SimInjectXidRequest) -> SimResult:
     sim.inject_xid(req.gpu, req.xid, req.gi, req.ci)
     scope = f" (GI {req.gi}" + (f", CI {req.ci}" if req.ci is not None else "") + ")" if req.gi is not None else ""
     return SimResult(message=f"XID {req.xid} injected on GPU {req.gpu}{scope}")
+
+
+# The amdsmi event a simulated AMD GPU raises for an XID (the backend maps them back, docs/gpu.md).
+_AMD_EVENTS = {31: "VMFAULT", 8: "RING_HANG"}
+
+
+def _inject_amd(ctx: Context, sim: SimAmdSmi, req: SimInjectXidRequest) -> SimResult:
+    """On simulated AMD GPUs faults are amdsmi events of the logical GPU's partition, or the loss of
+    its whole physical GPU (every partition falls off the bus with it)."""
+    gpu = next((g for g in ctx.engine.inventory.gpus if g.index == req.gpu), None)
+    if gpu is None:
+        raise ProtocolError(ErrorCode.NOT_FOUND, f"no GPU {req.gpu}")
+    physical = gpu.partition.physical_index if gpu.partition is not None else req.gpu
+    partition = gpu.partition.index_in_physical if gpu.partition is not None else 0
+    if req.lost:
+        sim.lose_gpu(physical)
+        return SimResult(message=f"physical GPU {physical} (GPU {req.gpu} and its sibling partitions) fell off the bus")
+    event = _AMD_EVENTS.get(req.xid)
+    if event is None or req.gi is not None:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"simulated AMD GPUs raise amdsmi events, not XID {req.xid}"
+                            + (" with a GI" if req.gi is not None else ""),
+                            "use XID 31 (VMFAULT) or 8 (RING_HANG), or --lost; AMD GPUs have no MIG instances")
+    sim.inject_event(physical, partition, event)
+    return SimResult(message=f"{event} (as XID {req.xid}) injected on GPU {req.gpu}")
 
 
 async def watch(ctx: Context, req: WatchRequest) -> AsyncIterator[TopSnapshot]:
@@ -238,8 +267,18 @@ def gpus(ctx: Context, req: GpusRequest) -> GpusResult:
             users=sorted({j.user for j in on_gpu}),
             share=gpu_config.share if gpu_config is not None else "exclusive",
             interactive=gpu_config.interactive if gpu_config is not None else False,
+            vendor=gpu.vendor, partition=_partition(gpu),
         ))
     return GpusResult(backend=ctx.backend_name, driver_version=inventory.driver_version, gpus=out)
+
+
+def _partition(gpu: Gpu) -> PartitionInfo | None:
+    p = gpu.partition
+    if p is None:
+        return None
+    return PartitionInfo(physical_index=p.physical_index, physical_uuid=p.physical_uuid,
+                         compute_mode=p.compute_mode, memory_mode=p.memory_mode,
+                         index_in_physical=p.index_in_physical, count=p.count)
 
 
 def shutdown(ctx: Context, req: ShutdownRequest) -> ShutdownResult:

@@ -15,13 +15,13 @@ import logging
 import os
 import pwd
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon.cgroups import CgroupManager, JobLimits
 from gpusched.daemon.executor import Executor, Identity, Started
 from gpusched.daemon.procfs import session_members, session_of
-from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
+from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory
 from gpusched.gpu.mps_manager import MpsManager
 from gpusched.model import ACTIVE_STATES, Allocation, Job
 
@@ -203,15 +203,40 @@ def identity(job: Job) -> Identity:
     return Identity(job.uid, job.gid, groups, drop=True)
 
 
-def allocation_env(job: Job, allocation: Allocation, config: DaemonConfig) -> dict[str, str]:
-    """What gpusched adds to the job's environment for this allocation (`show` lists it)."""
-    env = dict(allocation.env)
-    if config.cuda_device_max_connections is not None:
+def allocation_env(job: Job, allocation: Allocation, config: DaemonConfig, gpus: Sequence[Gpu] = ()) -> dict[str, str]:
+    """What gpusched adds to the job's environment for this allocation (`show` lists it). `gpus`
+    (the inventory) says whether the devices are AMD logical GPUs, which get ROCm's variables."""
+    amd = _on_amd(allocation, gpus)
+    env = {k: v for k, v in allocation.env.items() if not (amd and k.startswith("NVIDIA_"))}
+    if config.cuda_device_max_connections is not None and not amd:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(config.cuda_device_max_connections)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.uuids)
+    env |= visible_devices_env(allocation, amd)
     env["GPUSCHED_JOB_ID"] = str(job.id)
     env["GPUSCHED_ALLOCATION"] = allocation.model_dump_json(exclude={"env"})
     return env
+
+
+# The variables that choose the GPUs a program sees: CUDA's, and ROCm's (ROCr runtime, HIP, and
+# ROCclr's for HIP and OpenCL). gpusched owns them: a submitter's own never reach a job.
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
+
+
+def _on_amd(allocation: Allocation, gpus: Sequence[Gpu]) -> bool:
+    amd = {g.index for g in gpus if g.vendor == "amd"}
+    return bool(allocation.devices) and all(d.gpu_index in amd for d in allocation.devices)
+
+
+def visible_devices_env(allocation: Allocation, amd: bool) -> dict[str, str]:
+    """NVIDIA: CUDA_VISIBLE_DEVICES with the device UUIDs (a MIG instance is reachable only by its).
+    AMD: ROCR_VISIBLE_DEVICES with the logical GPUs' indices, and HIP_VISIBLE_DEVICES 0..n-1.
+    Indices, not UUIDs: amdsmi gives every partition of a physical GPU the same UUID, so a UUID
+    cannot name one logical GPU; the index is amdsmi's enumeration order, which is the driver's (KFD)
+    order ROCr enumerates in (docs/gpu.md, "What a job sees on AMD"). HIP numbers what ROCr left
+    visible, so its list is 0..n-1: set, it overrides a stale value the job may have inherited."""
+    if not amd:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(allocation.uuids)}
+    return {"ROCR_VISIBLE_DEVICES": ",".join(str(d.gpu_index) for d in allocation.devices),
+            "HIP_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(allocation.devices)))}
 
 
 # Variables gpusched sets for an allocation, an MPS share or an array task: a submitter's own (a job
@@ -225,7 +250,8 @@ def job_env(job: Job, added: dict[str, str]) -> dict[str, str]:
 
     The defaults mean `--export NONE` still gives a job HOME, USER, LOGNAME, SHELL and PATH.
     """
-    exported = {k: v for k, v in job.spec.env.items() if not k.startswith(_OWNED_PREFIXES)}
+    exported = {k: v for k, v in job.spec.env.items()
+                if not k.startswith(_OWNED_PREFIXES) and k not in VISIBILITY_VARS}
     return login_defaults(job) | exported | added
 
 

@@ -40,6 +40,7 @@ from gpusched.daemon.startup import scheduler_config as scheduler_config
 from gpusched.daemon.statelock import StateLock
 from gpusched.daemon.store import Store
 from gpusched.gcpause import LongLivedHeap
+from gpusched.gpu.amd_profiles import AMD_MODEL_KEYS
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched.model import JobState
@@ -346,8 +347,9 @@ def sd_notify(message: str) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @click.option("--sim", metavar="MODEL[:COUNT][,...]",
-              help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2. "
-              f"Models: {', '.join(MODEL_KEYS)}.")
+              help="Simulated GPUs instead of the driver, e.g. H100-80GB:2 or A100-40GB:2,H200:2, or AMD "
+              f"Instinct MI300X:2. Models: {', '.join(MODEL_KEYS)} (NVIDIA); {', '.join(AMD_MODEL_KEYS)} (AMD); "
+              "one vendor per node.")
 @click.option("--socket", "socket_path",
               help="Unix socket to listen on [default: /run/gpusched/gpusched.sock as root, else "
                    "$XDG_RUNTIME_DIR/gpusched/gpusched.sock, else /tmp/gpusched-$UID/gpusched.sock].")

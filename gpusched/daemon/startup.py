@@ -9,6 +9,7 @@ import os
 import sqlite3
 
 from gpusched.config import ConfigError, DaemonConfig
+from gpusched.config_sections import GpuConfig
 from gpusched.core.estimate import EstimatorConfig
 from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy, layout_error
@@ -17,7 +18,7 @@ from gpusched.daemon.cgroups import CgroupError, CgroupManager, own_cgroup
 from gpusched.daemon.safepath import unsafe_reason
 from gpusched.daemon.statelock import StateLock, StateLocked
 from gpusched.daemon.store import Store, StoreError
-from gpusched.gpu.backend import GpuBackend, GpuError, Inventory
+from gpusched.gpu.backend import Gpu, GpuBackend, GpuError, Inventory
 from gpusched.policies import PolicyError, PolicyFactory, load_policy
 from gpusched.policy import Policy, PolicyContext
 
@@ -61,12 +62,38 @@ def check_gpu_configs(config: DaemonConfig, inventory: Inventory) -> None:
             have = sorted(set(gpus) | set(inventory.errors))
             problems.append(f"gpus.{key}: there is no GPU {key} (this node has "
                             f"{'GPU(s) ' + ', '.join(map(str, have)) if have else 'no GPU'})")
+        elif gpu.vendor == "amd":
+            problems += amd_config_problems(key, gpu, gpu_config)
         elif isinstance(gpu_config.mig, list):
             error = layout_error(gpu.model, gpu_config.mig)
             if error is not None:
                 problems.append(f"gpus.{key}.mig: {error}")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def amd_config_problems(key: str, gpu: Gpu, gpu_config: GpuConfig) -> list[str]:
+    """What `[gpus.N]` may not say of an AMD Instinct logical GPU: it has no MIG (AMD partitions a GPU
+    by compute/memory modes, and each logical GPU is already a GPU of its own) and no MPS (an NVIDIA
+    server); shares on it are time-sliced."""
+    where = _amd_where(gpu)
+    problems = []
+    if gpu_config.mig is not None:
+        problems.append(f"gpus.{key}.mig: GPU {gpu.index} is {where}; AMD GPUs have no MIG (they are split "
+                        "into logical GPUs by their partition mode, and each is scheduled as a whole GPU): "
+                        "remove `mig`")
+    if gpu_config.share == "mps":
+        problems.append(f"gpus.{key}.share: GPU {gpu.index} is {where}; MPS is NVIDIA only: use "
+                        "share = \"timeslice\" to share it, or \"exclusive\"")
+    return problems
+
+
+def _amd_where(gpu: Gpu) -> str:
+    p = gpu.partition
+    if p is None:
+        return f"an AMD {gpu.model}"
+    return (f"an AMD {gpu.model} logical GPU ({p.compute_mode}/{p.memory_mode}, partition "
+            f"{p.index_in_physical} of {p.count} on physical GPU {p.physical_index})")
 
 
 def open_store(config: DaemonConfig) -> Store:
@@ -81,16 +108,18 @@ def open_store(config: DaemonConfig) -> Store:
 
 
 def open_gpu_backend(config: DaemonConfig) -> tuple[GpuBackend, str]:
-    """The simulator when `--sim` is given, else the real driver; refuse with a hint if neither works."""
-    from gpusched.gpu.nvml import open_backend  # the only door to NVML
+    """The simulator of the `--sim` spec's vendor (NVIDIA or AMD; a spec mixing both is refused),
+    else the real driver, NVML first, then amdsmi; refuse with a hint naming both if neither works.
+    The name is what `gpus`, `doctor` and /metrics show: sim, sim-amdsmi, nvml or amdsmi."""
+    from gpusched.gpu.opener import open_gpu
 
     try:
-        backend = open_backend(config.sim)
+        return open_gpu(config.sim)
     except GpuError as exc:
-        raise StartupError(f"{exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")) from None
+        where = "--sim: " if config.sim else ""
+        raise StartupError(f"{where}{exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")) from None
     except ValueError as exc:
         raise StartupError(f"--sim: {exc}") from None
-    return backend, ("sim" if config.sim else "nvml")
 
 
 def scheduler_config(config: DaemonConfig) -> SchedulerConfig:

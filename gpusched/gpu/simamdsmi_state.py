@@ -136,13 +136,18 @@ class SimAmdCore:
     backend_name = "simamdsmi"
 
     def __init__(self, models: list[str], *, seed: int = 0, privileged: bool = True,
-                 driver_version: str = DEFAULT_DRIVER_VERSION) -> None:
+                 driver_version: str = DEFAULT_DRIVER_VERSION,
+                 modes: list[tuple[str, str] | None] | None = None) -> None:
+        """`modes`: each GPU's (compute, memory) mode at start (as the driver kept it from the last
+        boot), None for the model's boot mode (SPX/NPS1)."""
         rng = random.Random(seed)
         half = max(1, (len(models) + 1) // 2)
+        start = modes or [None] * len(models)
         self._physicals = [
             _Physical(index=i, model=amd_model(key), asic_serial=rng.getrandbits(64), bus=0x05 + 0x20 * i,
-                      numa_node=0 if i < half else 1, compute=amd_model(key).boot_compute,
-                      memory=amd_model(key).boot_memory)
+                      numa_node=0 if i < half else 1,
+                      compute=(start[i] or (amd_model(key).boot_compute, ""))[0],
+                      memory=(start[i] or ("", amd_model(key).boot_memory))[1])
             for i, key in enumerate(models)
         ]
         self._lock = threading.RLock()
@@ -162,18 +167,32 @@ class SimAmdCore:
 
     @classmethod
     def from_spec(cls, spec: str, **kwargs: Any) -> Any:
-        """`MI300X:2` or `MI300X:1,MI325X:1` -> a simulator with those GPUs (ValueError if malformed)."""
+        """`MI300X:2` or `MI300X:1,MI325X:1` -> a simulator with those GPUs (ValueError if malformed).
+        A part may name the mode its GPUs start in: `MI300X:2@CPX` (memory NPS1) or `MI300X:1@QPX/NPS4`."""
         models: list[str] = []
+        modes: list[tuple[str, str] | None] = []
         for part in spec.split(","):
-            key, _, n = part.strip().partition(":")
-            count = int(n) if n else 1
+            part, _, mode = part.strip().partition("@")
+            key, _, n = part.partition(":")
+            try:
+                count = int(n) if n else 1
+            except ValueError:
+                raise ValueError(f"bad GPU count in {part!r}") from None
             if count < 1:
                 raise ValueError(f"bad GPU count in {part!r}")
-            amd_model(key)
+            model = amd_model(key)
+            start = None
+            if mode:
+                compute, _, memory = mode.upper().partition("/")
+                start = (compute, memory or model.boot_memory)
+                if not model.is_valid(*start):
+                    valid = ", ".join(f"{c}/{m}" for c, m in model.valid_combinations())
+                    raise ValueError(f"{key} does not run {start[0]}/{start[1]} (in {spec!r}); valid: {valid}")
             models.extend([key] * count)
+            modes.extend([start] * count)
         if not models:
             raise ValueError("empty simulator spec")
-        return cls(models, **kwargs)
+        return cls(models, modes=modes, **kwargs)
 
     # ------------------------------------------------------------------ enumeration
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gpusched.core.scheduler import Action, FailJob, Snapshot, StartJob
-from gpusched.gpu.profiles import MODELS, MigProfile, get_model, place_layout, profile_by_name
+from gpusched.gpu.profiles import MODELS, MigProfile, place_layout, profile_by_name
 from gpusched.model import (
     ACTIVE_STATES,
     AllocatedDevice,
@@ -39,11 +39,26 @@ from gpusched.replay.replayconfig import (
     load_config,
 )
 from gpusched.replay.trace import Request, TraceJob
+from gpusched.replay.vendor import PolicySkipped, check_model, check_one_vendor, is_amd, share_mode, skip_reason
 
 __all__ = [
-    "POLICIES", "STATIC_CLASSES", "Interference", "NodePlan", "Planner", "PolicySetup", "ReplayConfig",
-    "ReplayConfigError", "TimesliceFifo", "config_from_dict", "load_config", "parse_gpus", "setup",
-    "static_layout", "timeslice_fifo", "user_weights",
+    "POLICIES",
+    "STATIC_CLASSES",
+    "Interference",
+    "NodePlan",
+    "Planner",
+    "PolicySetup",
+    "PolicySkipped",
+    "ReplayConfig",
+    "ReplayConfigError",
+    "TimesliceFifo",
+    "config_from_dict",
+    "load_config",
+    "parse_gpus",
+    "setup",
+    "static_layout",
+    "timeslice_fifo",
+    "user_weights",
 ]
 
 POLICIES: tuple[str, ...] = ("gpusched", "fifo-whole", "fifo-timeslice", "static-mig")
@@ -142,7 +157,7 @@ def parse_gpus(spec: str) -> tuple[str, ...]:
     models: list[str] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         name, _, count_s = part.partition(":")
-        get_model(name)
+        check_model(name)
         try:
             count = int(count_s) if count_s else 1
         except ValueError:
@@ -152,6 +167,7 @@ def parse_gpus(spec: str) -> tuple[str, ...]:
         models.extend([name] * count)
     if not models:
         raise ValueError("empty --gpus; e.g. H100-80GB:8")
+    check_one_vendor(spec, models)
     return tuple(models)
 
 
@@ -227,9 +243,13 @@ def _mig_for_share(job: TraceJob, model: str, max_waste: float) -> str | None:
 
 def setup(name: str, models: Sequence[str], jobs: Sequence[TraceJob], config: ReplayConfig) -> PolicySetup:
     """The named policy (a built-in or package.module:Class) on a node of `models` (one per GPU),
-    sized where needed from `jobs`. PolicyError (a ValueError) for one that does not load."""
+    sized where needed from `jobs`. PolicyError (a ValueError) for one that does not load,
+    PolicySkipped for a built-in that has no meaning on this node (static-mig on AMD)."""
     models = tuple(models)
     factory = load_policy(name, field="--policy")
+    skipped = skip_reason(name, models) if factory.builtin else None
+    if skipped is not None:
+        raise PolicySkipped(name, skipped)
     if not factory.builtin:
         return _plugin(factory, models, config)
     if name == "gpusched":
@@ -305,13 +325,15 @@ def _gpusched(factory: PolicyFactory, models: tuple[str, ...], jobs: Sequence[Tr
               config: ReplayConfig) -> PolicySetup:
     n = len(models)
     model = models[-1]
+    amd = is_amd(models)
+    shares = share_mode(config.share_mode, models)
     mig_units = 0.0
     total = 0.0
     explicit_mig = False
     max_whole = 0
     others = False
     for j in jobs:
-        prof = _mig_for_share(j, model, config.mig_max_waste)
+        prof = None if amd else _mig_for_share(j, model, config.mig_max_waste)
         if isinstance(j.request, MigRequest):
             explicit_mig = True
             mig_units += j.gpu_demand * j.duration_s
@@ -323,7 +345,9 @@ def _gpusched(factory: PolicyFactory, models: tuple[str, ...], jobs: Sequence[Tr
                 max_whole = max(max_whole, j.request.gpus)
         total += j.gpu_demand * j.duration_s
     note = ""
-    if config.mig_gpus is not None:
+    if amd:
+        m, note = 0, f"AMD has no MIG; shares {shares}"
+    elif config.mig_gpus is not None:
         m = min(config.mig_gpus, n)
         note = "set by config"
     elif not explicit_mig:
@@ -354,8 +378,10 @@ def _gpusched(factory: PolicyFactory, models: tuple[str, ...], jobs: Sequence[Tr
         if j.weight is not None and j.user not in weights:
             weights[j.user] = j.weight
     sched_cfg = replace(config.scheduler, fairness=replace(config.scheduler.fairness, weights=weights))
-    desc = (f"{n - m} MIG-off GPUs ({config.share_mode} shares), {m} dynamic-MIG GPUs ({note})")
-    node = NodePlan(models, dynamic=dynamic, share_mode=config.share_mode, checkpoint=config.checkpoint,
+    desc = (f"{n - m} MIG-off GPUs ({shares} shares), {m} dynamic-MIG GPUs ({note})")
+    if amd:
+        desc = f"{n} whole logical GPUs ({shares} shares; no MIG, no MPS, no cuda-checkpoint on AMD)"
+    node = NodePlan(models, dynamic=dynamic, share_mode=shares, checkpoint=config.checkpoint and not amd,
                     description=desc)
     return PolicySetup("gpusched", node, convert, lambda: factory.make(PolicyContext(sched_cfg)))
 

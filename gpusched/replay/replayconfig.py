@@ -74,7 +74,8 @@ class ReplayConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     interference: Interference = field(default_factory=Interference)
     mig_gpus: int | None = None  # gpusched: dynamic-MIG GPUs; None = sized from the trace
-    share_mode: Literal["mps", "timeslice"] = "mps"  # gpusched: mode of the MIG-off GPUs for shares
+    # gpusched: mode of the MIG-off GPUs for shares; None: mps on NVIDIA, timeslice on AMD (replay/vendor.py)
+    share_mode: Literal["mps", "timeslice"] | None = None
     checkpoint: bool = True  # gpusched: the node has cuda-checkpoint (driver r550+), so preemption keeps work
     mig_max_waste: float = 0.05  # gpusched: serve a flexible share with MIG if it wastes <= this
     timeslice_replicas: int = 4  # fifo-timeslice: jobs per GPU at most
@@ -143,7 +144,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ReplayC
         cfg = replace(cfg, static_layouts=tuple(layouts))
     if not isinstance(cfg, ReplayConfig):
         raise ReplayConfigError(f"{source}: internal error building the config")
-    if cfg.share_mode not in ("mps", "timeslice"):
+    if cfg.share_mode not in ("mps", "timeslice", None):
         raise ReplayConfigError(f"{source}: [replay] share_mode must be \"mps\" or \"timeslice\"")
     if cfg.timeslice_replicas < 1:
         raise ReplayConfigError(f"{source}: [replay] timeslice_replicas must be >= 1")

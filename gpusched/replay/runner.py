@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpusched.gcpause import LongLivedHeap, gc_paused
-from gpusched.gpu.profiles import MODELS
 from gpusched.model import MigRequest
 from gpusched.policies import load_policy
 from gpusched.replay.metrics import JSON_KEYS, Summary, summarize
@@ -19,6 +18,7 @@ from gpusched.replay.policies import POLICIES, ReplayConfig, load_config, parse_
 from gpusched.replay.sim import SimResult, run_policy
 from gpusched.replay.trace import Censored, Trace, load_trace
 from gpusched.replay.tracefile import RowErrors, TraceError
+from gpusched.replay.vendor import PolicySkipped, gpu_memory_mib, offered_profiles
 
 
 @dataclass(slots=True)
@@ -29,6 +29,7 @@ class ReplayReport:
     gpus: str
     results: list[SimResult] = field(default_factory=list)
     summaries: list[Summary] = field(default_factory=list)
+    skipped: list[PolicySkipped] = field(default_factory=list)  # policies with no meaning on this node
     wall_s: float = 0.0
 
 
@@ -48,12 +49,13 @@ def resolve_policies(name: str) -> list[str]:
 def check_profiles(trace_path: str, trace: Trace, models: Sequence[str]) -> None:
     """A MIG profile none of the node's GPU models offers is a bad row (TraceError), not a job that
     some policies round up to a whole GPU and others can never run."""
-    offered = {p.name for model in set(models) for p in MODELS[model].profiles}
+    offered = offered_profiles(models)
+    have = ", ".join(sorted(offered)) if offered else "none: AMD GPUs have no MIG"
     errs = RowErrors()
     for job in trace.jobs:
         if isinstance(job.request, MigRequest) and job.request.profile not in offered:
             errs.add(job.line, "mig", f"{job.request.profile} is not a MIG profile of "
-                     f"{', '.join(sorted(set(models)))} (they offer {', '.join(sorted(offered))})")
+                     f"{', '.join(sorted(set(models)))} (they offer {have})")
     if errs:
         raise TraceError(trace_path, errs.items, more=errs.more)
 
@@ -74,7 +76,7 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
     began = time.perf_counter()
     models = parse_gpus(gpus)
     cfg = config if config is not None else load_config(config_path)
-    memory = min(MODELS[m].memory_mib for m in models)
+    memory = min(gpu_memory_mib(m) for m in models)
     with gc_paused():
         trace = load_trace(trace_path, fmt, gpus=len(models), gpu_memory_mib=memory, load=load, users=users,
                            seed=seed, limit=limit, times_from=times_from, censored=censored)
@@ -88,12 +90,18 @@ def run_replay(trace_path: str, *, gpus: str = "H100-80GB:8", fmt: str = "auto",
         report = ReplayReport(trace, gpus)
         weights = user_weights(trace.jobs, cfg)
         for name in policies:
-            pol = setup(name, models, trace.jobs, cfg)
+            try:
+                pol = setup(name, models, trace.jobs, cfg)
+            except PolicySkipped as skip:
+                report.skipped.append(skip)
+                continue
             result = run_policy(pol, trace.jobs, cfg.interference)
             report.results.append(result)
             report.summaries.append(summarize(result, weights, trace.skipped_total))
     finally:
         heap.stop()
+    if not report.results:
+        raise ValueError("no policy runs on this node: " + "; ".join(str(s) for s in report.skipped))
     report.wall_s = time.perf_counter() - began
     return report
 
@@ -149,4 +157,5 @@ def render_table(report: ReplayReport) -> str:
             extra.append(f"{len(r.mig_errors)} MIG operations refused by the driver")
         tail.append(f"  {r.policy}: {r.node}; replayed in {r.wall_s:.1f} s"
                     + (f"; {'; '.join(extra)}" if extra else ""))
+    tail += [f"  {s.policy}: skipped: {s.reason}" for s in report.skipped]
     return "\n".join([*head, "", *lines, "", "policies:", *tail, f"total wall time {report.wall_s:.1f} s"])

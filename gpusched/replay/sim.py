@@ -33,6 +33,7 @@ from gpusched.core.scheduler import (
     StartJob,
 )
 from gpusched.gpu.backend import GpuError
+from gpusched.gpu.simnvml import SimNVML
 from gpusched.model import Job, JobState, MigRequest
 from gpusched.replay.policies import Interference, PolicySetup
 from gpusched.replay.sim_base import (
@@ -165,7 +166,7 @@ class Simulator(SimBase):
         run = Run(job.id, self.durations[job.id], self.now + limit if limit else math.inf, ready, self.now,
                    frac=alloc.compute_fraction, seg_start=self.now)
         mig = [d.uuid for d in alloc.devices if d.kind == "mig"]
-        if mig:
+        if mig and isinstance(self.sim, SimNVML):  # (MIG exists only on NVIDIA)
             run.pid = PID_BASE + job.id
             self.sim.add_process(mig[0], run.pid, None)
             for u in mig:

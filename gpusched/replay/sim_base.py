@@ -13,14 +13,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gpusched.gpu.amdsmi import AmdSmiBackend
 from gpusched.gpu.backend import Gpu
 from gpusched.gpu.nvml import NvmlBackend
 from gpusched.gpu.profiles import place_layout
+from gpusched.gpu.simamdsmi import SimAmdSmi
 from gpusched.gpu.simnvml import SimNVML
 from gpusched.model import Allocation, Job, JobSpec, JobState, Transition
 from gpusched.policy import Incremental, LearnsRunTimes, is_incremental
 from gpusched.replay.policies import Interference, Planner, PolicySetup
 from gpusched.replay.trace import TraceJob
+from gpusched.replay.vendor import is_amd
 
 END, READY, ARRIVAL, WAKE = 0, 1, 2, 3
 EPS = 1e-9
@@ -79,8 +82,14 @@ class SimBase:
         self.trace = list(jobs)
         self.inter = interference
         node = policy.node
-        self.sim = SimNVML(list(node.models), seed=0)
-        self.backend = NvmlBackend(self.sim)
+        self.sim: SimNVML | SimAmdSmi
+        self.backend: NvmlBackend | AmdSmiBackend
+        if is_amd(node.models):  # logical GPUs through the real AmdSmiBackend (replay/vendor.py)
+            self.sim = SimAmdSmi(list(node.models), seed=0)
+            self.backend = AmdSmiBackend(self.sim)
+        else:
+            self.sim = SimNVML(list(node.models), seed=0)
+            self.backend = NvmlBackend(self.sim)
         for index in sorted(node.mig_enabled):
             self.backend.set_mig_mode(index, True)
         for index, layout in node.static_layouts.items():

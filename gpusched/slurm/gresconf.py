@@ -69,6 +69,11 @@ def devices(result: GpusResult, dev_root: str = "/dev", gres_mps: bool = False,
     mode is one device. A GPU whose instances have no GI id (an old daemon) cannot be described.
     """
     found: list[tuple[str, int, int, GpuInfo, str, int | None]] = []
+    amd = [str(g.index) for g in result.gpus if g.vendor == "amd"]
+    if amd:  # the hooks would give such a job CUDA_VISIBLE_DEVICES with AMD ids and NVIDIA device files
+        raise ValueError(f"GPU(s) {', '.join(amd)} are AMD Instinct logical GPUs: the Slurm export writes NVIDIA "
+                         "device files and CUDA_VISIBLE_DEVICES and does not support AMD nodes yet (Slurm's own "
+                         "gres.conf AutoDetect=rsmi can describe them)")
     for gpu in result.gpus:
         if gpu.mig_enabled:
             for inst in gpu.instances:

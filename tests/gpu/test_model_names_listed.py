@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon.main import cli as daemon_cli
+from gpusched.gpu.amd_profiles import AMD_MODEL_KEYS
 from gpusched.gpu.profiles import MODEL_KEYS
 from gpusched_cli.main import cli as client_cli
 
@@ -35,6 +36,10 @@ def test_help_and_docs_list_every_model() -> None:
     for where, text in texts.items():
         missing = [m for m in MODEL_KEYS if m not in _flat(text)]
         assert not missing, f"{where} does not name {missing}"
+    for where in ("gpuschedd --help", "gpusched replay --help", "config sim", "docs/admin-guide.md", "docs/replay.md",
+                  "docs/gpu.md", "docs/user-guide.md"):
+        missing = [m for m in AMD_MODEL_KEYS if m not in _flat(texts[where])]
+        assert not missing, f"{where} does not name the AMD model(s) {missing}"
 
 
 def test_daemon_accepts_every_model_spec() -> None:
@@ -43,4 +48,14 @@ def test_daemon_accepts_every_model_spec() -> None:
     b = open_backend(",".join(f"{m}:2" for m in MODEL_KEYS))
     inv = b.inventory()
     assert [g.model for g in inv.gpus] == [m for m in MODEL_KEYS for _ in range(2)] and inv.errors == {}
+    b.close()
+
+
+def test_daemon_accepts_every_amd_model_spec() -> None:
+    from gpusched.gpu.opener import open_gpu
+
+    b, name = open_gpu(",".join(f"{m}:2" for m in AMD_MODEL_KEYS))
+    inv = b.inventory()
+    assert name == "sim-amdsmi"
+    assert [g.model for g in inv.gpus] == [m for m in AMD_MODEL_KEYS for _ in range(2)] and inv.errors == {}
     b.close()

@@ -137,3 +137,10 @@ def test_export_warns_of_what_it_cannot_offer_and_refuses_a_bad_node_name(
     for args in (["--node", "a b"], ["--node", "n1\nrm -rf /"], ["--node", "n1", "--node-params", "CPUs=8\nX=1"]):
         refused = gs(handle, "slurm", "export", *args)
         assert refused.exit_code == 2, (args, refused.output)
+
+
+def test_an_amd_node_is_refused_rather_than_given_cuda_ids(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """The hooks would export CUDA_VISIBLE_DEVICES with amdsmi ids and NVIDIA device files."""
+    result = inventory(daemon_factory, "MI300X:2", {})
+    with pytest.raises(ValueError, match=r"GPU\(s\) 0, 1 are AMD Instinct logical GPUs.*does not support AMD"):
+        gresconf.devices(result)

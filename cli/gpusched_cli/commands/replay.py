@@ -16,7 +16,8 @@ from gpusched_cli.exits import EXIT_ERROR, EXIT_USAGE
               help="trace format; auto looks at the header")
 @click.option("--gpus", default="H100-80GB:8", show_default=True, metavar="MODEL:COUNT[,...]",
               help="simulated node, as gpuschedd --sim; models: A100-40GB, A100-80GB, H100-80GB, H100-PCIe, "
-              "H100-NVL, H200, GH200-96GB, GH200-144GB")
+              "H100-NVL, H200, GH200-96GB, GH200-144GB (NVIDIA); MI300X, MI325X (AMD Instinct, in SPX/NPS1: one "
+              "logical GPU each); one vendor per node")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="replay TOML: [fairness] [scheduler] [mig] [replay] [interference] (docs/replay.md)")
 @click.option("--policy", default="all", show_default=True,
@@ -69,6 +70,8 @@ def replay(ctx: click.Context, trace: str, fmt: str, gpus: str, config_path: str
     if as_json:
         for summary in report.summaries:
             echo(json.dumps(summary))
+        for skipped in report.skipped:  # (stdout keeps one summary per line)
+            echo(f"gpusched: {skipped.policy} skipped: {skipped.reason}", err=True)
     else:
         echo(runner.render_table(report))
     if plot_path is not None:

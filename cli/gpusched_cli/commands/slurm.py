@@ -115,7 +115,10 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     node = node or _default_node()
     sim = result.backend == "sim"
     if out is None:
-        devs = gresconf.devices(result, dev_root or "/dev", gres_mps, gres_shards)
+        try:
+            devs = gresconf.devices(result, dev_root or "/dev", gres_mps, gres_shards)
+        except ValueError as exc:
+            _die(str(exc))
         _warn_mps_skipped(gresconf, result, devs, gres_mps or bool(gres_shards))
         click.echo(f"# gres.conf\n{gresconf.gres_conf(node, devs)}\n# slurm.conf\n"
                    f"{gresconf.node_line(node, devs, node_params)}\n# gres-map.json\n{gresconf.gres_map(node, devs)}"

@@ -1,0 +1,77 @@
+"""Which GPU backend a node gets: NVIDIA (nvml.py) or AMD Instinct (amdsmi.py), simulated or real.
+
+Kept out of both backends so that nvml.py stays the only door to pynvml and amdsmi.py the only door
+to amdsmi: this module only decides which door to knock on. A `--sim` spec names its vendor by its
+models (A100-40GB, H100-80GB, ... are NVIDIA; MI300X, MI325X are AMD); one spec may not mix them,
+because the daemon runs one backend. On real hardware NVML is tried first, then amdsmi; when neither
+loads, the error names both reasons.
+"""
+
+from __future__ import annotations
+
+from gpusched.gpu.amd_profiles import AMD_MODEL_KEYS
+from gpusched.gpu.backend import GpuBackend, GpuError, GpuInvalidArgumentError
+from gpusched.gpu.profiles import MODEL_KEYS
+
+# What each backend is called in `gpusched gpus`, `doctor` and gpusched_build_info.
+BACKEND_NAMES = {("nvidia", True): "sim", ("amd", True): "sim-amdsmi", ("nvidia", False): "nvml",
+                 ("amd", False): "amdsmi"}
+BOTH_HINT = ("no NVIDIA (NVML) or AMD (amdsmi) driver here; to try gpusched without GPUs run: "
+             "gpuschedd --sim H100-80GB:2 (NVIDIA) or gpuschedd --sim MI300X:2 (AMD Instinct)")
+
+
+def vendor_of_model(model: str) -> str | None:
+    """"nvidia" or "amd" for a model key, None for one neither table knows."""
+    if model in AMD_MODEL_KEYS:
+        return "amd"
+    if model in MODEL_KEYS:
+        return "nvidia"
+    return None
+
+
+def models_of_spec(spec: str) -> list[str]:
+    """The model keys a `MODEL[:COUNT][@MODE][,...]` spec names (counts and AMD start modes are left
+    to the simulators)."""
+    return [part.strip().partition("@")[0].partition(":")[0].strip() for part in spec.split(",") if part.strip()]
+
+
+def vendor_of_spec(spec: str) -> str:
+    """The one vendor a `--sim` / `--gpus` spec names. ValueError for a spec that mixes NVIDIA and
+    AMD models (one node runs one backend) or names a model neither table knows."""
+    vendors: dict[str, list[str]] = {}
+    for model in models_of_spec(spec):
+        vendor = vendor_of_model(model)
+        if vendor is None:
+            raise ValueError(f"unknown GPU model {model!r}; valid models: {', '.join(MODEL_KEYS + AMD_MODEL_KEYS)}")
+        vendors.setdefault(vendor, []).append(model)
+    if len(vendors) > 1:
+        raise ValueError(f"{spec!r} mixes NVIDIA ({', '.join(dict.fromkeys(vendors['nvidia']))}) and AMD "
+                         f"({', '.join(dict.fromkeys(vendors['amd']))}) models; a node runs one GPU backend, "
+                         "so simulate one vendor at a time")
+    if not vendors:
+        raise ValueError("empty simulated GPU spec; e.g. H100-80GB:2 or MI300X:2")
+    return next(iter(vendors))
+
+
+def open_gpu(sim_spec: str | None) -> tuple[GpuBackend, str]:
+    """The backend and its display name: the simulator of the spec's vendor, else the real driver
+    (NVML first, then amdsmi). GpuError with a hint when nothing can be opened."""
+    from gpusched.gpu.amdsmi import open_amd_backend  # the only door to amdsmi
+    from gpusched.gpu.nvml import open_backend  # the only door to NVML
+
+    if sim_spec:
+        try:
+            vendor = vendor_of_spec(sim_spec)
+        except ValueError as err:
+            raise GpuInvalidArgumentError(str(err), hint="e.g. --sim H100-80GB:2 or --sim MI300X:2") from None
+        backend: GpuBackend = open_amd_backend(sim_spec) if vendor == "amd" else open_backend(sim_spec)
+        return backend, BACKEND_NAMES[(vendor, True)]
+    try:
+        return open_backend(None), BACKEND_NAMES[("nvidia", False)]
+    except (GpuError, ImportError) as nvml_err:
+        nvml_why = nvml_err.message if isinstance(nvml_err, GpuError) else f"cannot import pynvml: {nvml_err}"
+    try:
+        return open_amd_backend(None), BACKEND_NAMES[("amd", False)]
+    except GpuError as amd_err:
+        raise GpuError(f"no GPU driver could be opened: NVIDIA: {nvml_why}; AMD: {amd_err.message}",
+                       hint=BOTH_HINT) from None
