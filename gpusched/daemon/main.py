@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from gpusched.config import ConfigError, DaemonConfig, describe_errors, load_con
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.metrics import MetricsServer
+from gpusched.daemon.sdnotify import sd_notify, systemd_heartbeat
 from gpusched.daemon.server import Server, SocketInUse, claim_socket_path
 from gpusched.daemon.standing import hand_over
 from gpusched.daemon.startup import StartupError as StartupError
@@ -43,7 +43,6 @@ from gpusched.gcpause import LongLivedHeap
 from gpusched.gpu.amd_profiles import AMD_MODEL_KEYS
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.gpu.profiles import MODEL_KEYS
-from gpusched.model import JobState
 from gpusched.policy import Policy
 from gpusched.protocol import ReloadResult
 
@@ -283,7 +282,7 @@ async def run(config: DaemonConfig, install_signals: bool = True,
             loop.add_signal_handler(sig, daemon.request_stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload_on_hup(daemon)))
     sd_notify("READY=1\nSTATUS=serving")
-    heartbeat = asyncio.create_task(_systemd_heartbeat(daemon), name="gpusched-sd-notify")
+    heartbeat = asyncio.create_task(systemd_heartbeat(daemon.engine), name="gpusched-sd-notify")
     if on_ready is not None:
         await on_ready(daemon)
     await daemon.stopped.wait()
@@ -309,39 +308,6 @@ async def _reload_on_hup(daemon: Daemon) -> None:
     except Exception:
         log.exception("configuration reload failed; still running on the previous one")
     sd_notify("READY=1")
-
-
-async def _systemd_heartbeat(daemon: Daemon) -> None:
-    """WATCHDOG=1 at half of WatchdogSec (from the event loop, so a stuck loop gets us restarted), and
-    STATUS= with job counts for `systemctl status`. Does nothing outside a Type=notify service."""
-    if not os.environ.get("NOTIFY_SOCKET"):
-        return
-    usec = os.environ.get("WATCHDOG_USEC", "")
-    watchdog = usec.isdigit() and int(usec) > 0 and os.environ.get("WATCHDOG_PID", str(os.getpid())) == str(
-        os.getpid())
-    interval = int(usec) / 2e6 if watchdog else 5.0
-    last = ""
-    while True:
-        jobs = daemon.engine.jobs.values()
-        running = sum(1 for j in jobs if j.state is JobState.RUNNING)
-        pending = sum(1 for j in jobs if j.state is JobState.PENDING)
-        status = f"STATUS=serving: {running} running, {pending} pending on {len(daemon.engine.inventory.gpus)} GPUs"
-        message = "\n".join(m for m in ("WATCHDOG=1" if watchdog else "", status if status != last else "") if m)
-        if message:
-            sd_notify(message)
-        last = status
-        await asyncio.sleep(interval)
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd about our state when run as a Type=notify service; a no-op elsewhere."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(message.encode(), path)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
