@@ -169,13 +169,16 @@ class SchedulerSection(BaseModel):
 
 
 class MigSection(BaseModel):
-    """`[mig]`: damping for GPUs with `mig = \"dynamic\"`, so layouts do not thrash."""
+    """`[mig]`: damping for GPUs with `mig = \"dynamic\"`, so layouts do not thrash; on AMD nodes the same
+    settings damp partition mode changes for `--partition` demand (docs/scheduling.md, section 3a)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    min_idle_s: float = Field(default=300.0, ge=0, description="an idle instance must be idle this long to go")
+    min_idle_s: float = Field(default=300.0, ge=0, description="an idle instance must be idle this long to go "
+                              "(AMD: a physical GPU must have had no job this long before its partition mode changes)")
     min_reconfig_interval_s: float = Field(
-        default=600.0, ge=0, description="minimum time between reconfigurations that destroy, per GPU"
+        default=600.0, ge=0, description="minimum time between reconfigurations that destroy, per GPU "
+        "(AMD: between partition mode changes, per physical GPU)"
     )
     toggle_mode: bool = Field(
         default=True, description="a dynamic GPU idle this long may leave MIG mode when the next job by fairness needs "

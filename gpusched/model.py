@@ -114,7 +114,20 @@ class ShareRequest(_Frozen):
     gpu_mem_mib: int = Field(ge=1, description="GPU memory cap in MiB")
 
 
-ResourceRequest = Annotated[WholeRequest | MigRequest | ShareRequest, Field(discriminator="kind")]
+class PartitionRequest(_Frozen):
+    """`--partition MODE [--gpus N]`: N logical GPUs of an AMD Instinct GPU in compute mode MODE.
+
+    Hardware isolation on AMD (each logical GPU has its own XCDs and memory); the scheduler changes
+    an idle physical GPU's mode from demand (docs/scheduling.md, "AMD partitions"). Refused on NVIDIA.
+    """
+
+    kind: Literal["partition"] = "partition"
+    mode: Literal["SPX", "DPX", "QPX", "CPX"] = Field(description="compute partition mode of the logical GPUs")
+    gpus: int = Field(default=1, ge=1, le=64, description="number of logical GPUs in that mode")
+
+
+AnyRequest = WholeRequest | MigRequest | ShareRequest | PartitionRequest
+ResourceRequest = Annotated[AnyRequest, Field(discriminator="kind")]
 
 class Dependency(_Frozen):
     """`--after ID[:ok|any]`: start only after job ID has ended (`ok`: ended COMPLETED)."""
@@ -268,12 +281,14 @@ def display_name(spec: JobSpec) -> str:
     return bounded(spec.name or spec.argv[0].rsplit("/", 1)[-1], MAX_DISPLAY_NAME)
 
 
-def describe_request(request: WholeRequest | MigRequest | ShareRequest) -> str:
+def describe_request(request: AnyRequest) -> str:
     """A short human form of a request, as the CLI writes it (`gpus=2`, `mig=3g.40gb`, ...)."""
     if isinstance(request, WholeRequest):
         return f"gpus={request.gpus}"
     if isinstance(request, MigRequest):
         return f"mig={request.profile}"
+    if isinstance(request, PartitionRequest):
+        return f"partition={request.mode.lower()}" + (f",gpus={request.gpus}" if request.gpus > 1 else "")
     return f"share={request.fraction:g},mem={request.gpu_mem_mib}MiB"
 
 
@@ -282,7 +297,7 @@ class Event(_Frozen):
 
     at: float
     # xid_app_error | gpu_fault | gpu_lost | drain | resume | mig_create | mig_destroy | mig_mode | checkpoint |
-    # checkpoint_failed | restored | restore_move_failed
+    # checkpoint_failed | restored | restore_move_failed | partition_mode
     kind: str
     message: str
     gpu: int | None = None

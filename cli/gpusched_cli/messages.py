@@ -71,6 +71,10 @@ def mig(profile: str) -> Message:
     return {"kind": "mig", "profile": profile}
 
 
+def partition(mode: str, gpus: int) -> Message:
+    return {"kind": "partition", "mode": mode, "gpus": gpus}
+
+
 def share(fraction: float, gpu_mem_mib: int) -> Message:
     return {"kind": "share", "fraction": float(fraction), "gpu_mem_mib": gpu_mem_mib}
 

@@ -130,6 +130,8 @@ def describe_request(request: JSON) -> str:
         return f"gpus={request['gpus']}"
     if request["kind"] == "mig":
         return f"mig={request['profile']}"
+    if request["kind"] == "partition":
+        return f"partition={request['mode'].lower()}" + (f",gpus={request['gpus']}" if request["gpus"] > 1 else "")
     return f"share={request['fraction']:g},mem={request['gpu_mem_mib']}MiB"
 
 

@@ -62,7 +62,7 @@ _FLAG_OF_FIELD = {
     "name": "--name", "time_limit_s": "--time", "job_class": "--class", "nice": "--nice", "cpus": "--cpus",
     "mem_mib": "--mem", "precision": "--precision", "after": "--after", "env": "--export", "argv": "CMD",
     "request.gpus": "--gpus", "request.profile": "--mig", "request.fraction": "--share",
-    "request.gpu_mem_mib": "--gpu-mem",
+    "request.gpu_mem_mib": "--gpu-mem", "request.mode": "--partition",
 }
 
 

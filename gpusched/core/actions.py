@@ -78,6 +78,17 @@ class SetMigMode:
 
 
 @dataclass(frozen=True, slots=True)
+class SetPartitionMode:
+    """Change an idle AMD physical GPU's compute/memory partition mode (core/partplan.py): its logical
+    GPUs disappear and new ones, with new UUIDs, take their place."""
+
+    physical_index: int
+    compute: str  # SPX, DPX, QPX, CPX
+    memory: str  # NPS1, NPS4
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeJob:
     """Continue a share the scheduler suspended in place (its compute is free again)."""
 
@@ -91,7 +102,8 @@ class FailJob:
     reason: str
 
 
-Action = StartJob | CreateInstance | DestroyInstance | SetMigMode | PreemptJob | ResumeJob | FailJob
+Action = (StartJob | CreateInstance | DestroyInstance | SetMigMode | SetPartitionMode | PreemptJob | ResumeJob
+          | FailJob)
 
 
 def busy_uuids(active: Iterable[Job]) -> set[str]:

@@ -93,9 +93,11 @@ class ClusterState:
                 continue
             numa: NumaKey = gpu.numa_node if gpu.numa_node is not None else (gpu.cpu_affinity or None)
             if not gpu.mig_enabled:
+                part = gpu.partition
                 self._add(DeviceUse(gpu.uuid, gpu.index, "gpu", None, 1.0, gpu.memory_total_mib,
                                     _mode(modes.get(gpu.uuid)), numa, MPS_MAX_CLIENTS,
-                                    owners.get(gpu.uuid)))
+                                    owners.get(gpu.uuid), partition=part.compute_mode if part else None,
+                                    part_count=max(1, part.count) if part else 1))
                 continue
             for inst in gpu.instances:
                 if inst.uuid in blocked:

@@ -62,6 +62,10 @@ class DeviceUse:
     # the clients' uids until a client is added or removed (whoever does so resets it): the MPS
     # uid rule asks it of every device, for every share placement
     uids: frozenset[int] | None = None
+    # AMD logical GPU: its physical GPU's compute mode (SPX..CPX) and how many logical GPUs that
+    # mode makes (a `--partition` job is charged 1/part_count of the physical GPU); None elsewhere
+    partition: str | None = None
+    part_count: int = 1
 
     @property
     def idle(self) -> bool:
@@ -89,7 +93,7 @@ class DeviceUse:
             self.uuid, self.gpu_index, self.kind, self.profile, self.compute_fraction, self.memory_mib,
             self.mode, self.numa, self.max_clients, self.mps_owner, self.holder, self.holder_prec,
             dict(self.clients),  # clients are replaced, never changed, so copies may share them
-            self.used_fraction, self.used_mem, self.uids,
+            self.used_fraction, self.used_mem, self.uids, self.partition, self.part_count,
         )
 
 

@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
+from gpusched.model import Job, MigRequest, PartitionRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
 _ZEROS = (0,) * 8  # the default version of each key (an estimate looks at five)
@@ -57,12 +57,14 @@ def command_key(job: Job) -> str:
     return "a:" + "\x00".join(spec.argv)[:_COMMAND_CHARS]
 
 
-def shape_key(request: WholeRequest | MigRequest | ShareRequest) -> str:
+def shape_key(request: WholeRequest | MigRequest | ShareRequest | PartitionRequest) -> str:
     """What 'the same request shape' means: whole count, MIG profile, or share fraction (2 digits)."""
     if isinstance(request, WholeRequest):
         return f"gpus={request.gpus}"
     if isinstance(request, MigRequest):
         return f"mig={request.profile}"
+    if isinstance(request, PartitionRequest):
+        return f"partition={request.mode}x{request.gpus}"
     return f"share={request.fraction:.2f}"
 
 

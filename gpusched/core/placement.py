@@ -32,11 +32,12 @@ from gpusched.model import (
     Allocation,
     Job,
     MigRequest,
+    PartitionRequest,
     ShareRequest,
     WholeRequest,
 )
 
-Request = WholeRequest | MigRequest | ShareRequest
+Request = WholeRequest | MigRequest | ShareRequest | PartitionRequest
 
 
 class Cluster(ClusterState):
@@ -64,12 +65,14 @@ class Cluster(ClusterState):
                 key = ("g", req.gpus, job.spec.precision, forbidden)
             elif isinstance(req, MigRequest):
                 key = ("m", req.profile, job.spec.precision, forbidden)
+            elif isinstance(req, PartitionRequest):
+                key = ("p", req.mode, req.gpus, job.spec.precision, forbidden)
             else:
                 key = ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.precision, forbidden, mps_any_uid)
             known, kept, freed = memo.lookup(key)
             if known:
                 return kept
-            if freed is not None and not (isinstance(req, WholeRequest) and req.gpus > 1):
+            if freed is not None and not (isinstance(req, (WholeRequest, PartitionRequest)) and req.gpus > 1):
                 # it found no room before and only these devices have room they did not have then
                 # (the pickers' choice does not depend on the order they see devices in: every
                 # key ends in a unique index or uuid; the devices' order is kept all the same)
@@ -95,6 +98,8 @@ class Cluster(ClusterState):
             return _share_fits(d, req.fraction, req.gpu_mem_mib, job.uid, any_uid=mps_any_uid)
         if isinstance(req, MigRequest):
             return d.kind == "mig" and d.profile == req.profile and d.idle
+        if isinstance(req, PartitionRequest):
+            return d.kind == "gpu" and d.partition == req.mode and d.idle
         return d.kind == "gpu" and d.idle
 
     def _pool(self, uuids: Collection[str]) -> list[DeviceUse]:
@@ -116,6 +121,14 @@ class Cluster(ClusterState):
             if devs is None:
                 return None
             return _allocation([_alloc_dev(d) for d in devs], float(len(devs)), job_env(job))
+        if isinstance(req, PartitionRequest):
+            free = [d for d in devices if d.kind == "gpu" and d.partition == req.mode and d.idle
+                    and d.uuid not in forbidden]
+            if len(free) < req.gpus:
+                return None
+            devs = _best_whole(free, req.gpus)
+            # charged its share of the physical GPU: a CPX logical GPU is an eighth of an MI300X
+            return _allocation([_alloc_dev(d) for d in devs], sum(1.0 / d.part_count for d in devs), job_env(job))
         prec = precision_class(job.spec.precision)
         if isinstance(req, MigRequest):
             dev = self._pick_mig(devices, req.profile, prec, forbidden)

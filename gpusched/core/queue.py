@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from sortedcontainers import SortedList
 
 from gpusched.core.fairshare import NICE0_WEIGHT, FairShare
-from gpusched.model import Job, MigRequest, ShareRequest, WholeRequest
+from gpusched.gpu.amd_profiles import PARTITIONS_PER_MODE
+from gpusched.model import Job, MigRequest, PartitionRequest, ShareRequest, WholeRequest
 
 JobKey = tuple[int, float, float, int]  # (nice, submitted_at + expected run time, expected run time, id)
 UserKey = tuple[float, str]  # (virtual deadline, user)
@@ -45,7 +46,8 @@ def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
     return (job.spec.nice, job.submitted_at + expected_s, expected_s, job.id)
 
 
-def request_fraction(request: WholeRequest | MigRequest | ShareRequest, mig_fraction: float = 1.0 / 7) -> float:
+def request_fraction(request: WholeRequest | MigRequest | ShareRequest | PartitionRequest,
+                     mig_fraction: float = 1.0 / 7) -> float:
     """Compute fraction a request will be charged at, for deadlines (before it is placed).
 
     A MIG profile `Ng.*` is charged at about N/7 of a GPU; the exact SM ratio is known only once
@@ -55,6 +57,8 @@ def request_fraction(request: WholeRequest | MigRequest | ShareRequest, mig_frac
         return float(request.gpus)
     if isinstance(request, MigRequest):
         return int(request.profile.split("g", 1)[0]) * mig_fraction
+    if isinstance(request, PartitionRequest):
+        return request.gpus / PARTITIONS_PER_MODE[request.mode]
     return request.fraction
 
 

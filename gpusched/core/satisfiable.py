@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gpusched.gpu.amd_profiles import AMD_MODELS, PARTITIONS_PER_MODE
 from gpusched.gpu.backend import Gpu
 from gpusched.gpu.profiles import MODELS
-from gpusched.model import MigRequest, ShareRequest, WholeRequest
+from gpusched.model import MigRequest, PartitionRequest, ShareRequest, WholeRequest
 
-Request = WholeRequest | MigRequest | ShareRequest
+Request = WholeRequest | MigRequest | ShareRequest | PartitionRequest
 
 
 def offered_profiles(gpu: Gpu) -> set[str]:
@@ -41,6 +42,8 @@ def unsatisfiable_reason(
                 f"with MIG off{mig_note}"
             )
         return None
+    if isinstance(request, PartitionRequest):
+        return _partition_reason(request, gpus)
     if isinstance(request, MigRequest):
         amd = [g for g in gpus if g.vendor == "amd"]
         if amd and len(amd) == len(gpus):
@@ -75,4 +78,26 @@ def unsatisfiable_reason(
     if request.gpu_mem_mib > largest:
         return (f"asks for a share with {request.gpu_mem_mib} MiB of GPU memory but the largest shared "
                 f"device on this node has {largest} MiB")
+    return None
+
+
+def _partition_reason(request: PartitionRequest, gpus: Sequence[Gpu]) -> str | None:
+    """A `--partition MODE` job needs AMD GPUs whose model offers MODE, enough of them in that mode
+    once the scheduler has changed idle physical GPUs to it (every one of them, at most)."""
+    amd = [g for g in gpus if g.vendor == "amd" and g.partition is not None]
+    if not amd:
+        return "asks for an AMD partition but there are no partitions on NVIDIA; use --mig"
+    physical: dict[int, str] = {}
+    for g in amd:
+        assert g.partition is not None
+        physical[g.partition.physical_index] = g.model
+    offering = [m for m in physical.values()
+                if (am := AMD_MODELS.get(m)) is not None and request.mode in am.compute_modes]
+    if not offering:
+        return (f"asks for partition mode {request.mode} but this node's AMD GPUs "
+                f"({', '.join(sorted(set(physical.values())))}) do not offer it")
+    most = len(offering) * PARTITIONS_PER_MODE[request.mode]
+    if request.gpus > most:
+        return (f"asks for {request.gpus} logical GPU(s) in {request.mode} mode but this node's "
+                f"{len(offering)} physical GPU(s) make at most {most} in that mode")
     return None

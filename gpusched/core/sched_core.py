@@ -25,13 +25,14 @@ from gpusched.model import (
     Allocation,
     Job,
     MigRequest,
+    PartitionRequest,
     ShareRequest,
     WholeRequest,
 )
 
 
 def unsatisfiable_reason(
-    request: WholeRequest | MigRequest | ShareRequest,
+    request: WholeRequest | MigRequest | ShareRequest | PartitionRequest,
     gpus: Sequence[Gpu],
     share_modes: Mapping[str, str] | None = None,
     dynamic: frozenset[int] = frozenset(),
@@ -201,6 +202,8 @@ class SchedulerCore:
     _idle_since: dict[str, float]
     _last_reconfig: dict[int, float]
     _gpu_idle_since: dict[int, float]
+    _part_idle_since: dict[int, float]  # AMD physical GPU -> since when no job has run on it
+    _part_last_reconfig: dict[int, float]  # AMD physical GPU -> when its partition mode last changed
     _preempting: dict[int, float]
     _started_at_first_plan: float | None
     _charged_until: float | None
@@ -335,6 +338,9 @@ class SchedulerCore:
             return f"waiting for {req.gpus} whole GPU(s) ({cluster.idle_whole()} idle now{note})"
         if isinstance(req, MigRequest):
             return f"waiting for a free {req.profile}"
+        if isinstance(req, PartitionRequest):
+            return (f"waiting for {req.gpus} idle logical GPU(s) in {req.mode} mode (idle GPUs change mode "
+                    "from demand after [mig] min_idle_s)")
         return f"waiting for a share of {req.fraction:g} with {req.gpu_mem_mib} MiB on an mps/timeslice device"
 
 
@@ -348,4 +354,6 @@ def _signature(job: Job) -> tuple[object, ...]:
         return ("g", req.gpus, job.spec.job_class)
     if isinstance(req, MigRequest):
         return ("m", req.profile, job.spec.job_class)
+    if isinstance(req, PartitionRequest):
+        return ("p", req.mode, req.gpus, job.spec.job_class)
     return ("s", req.fraction, req.gpu_mem_mib, job.uid, job.spec.job_class)

@@ -1,5 +1,6 @@
 """Dynamic MIG from demand: which idle instances go and which are created (core/migplan.py), the
-instances a blocked MIG head claims, and MIG mode switched on idle dynamic GPUs."""
+instances a blocked MIG head claims, and MIG mode switched on idle dynamic GPUs; and, on AMD, the
+partition modes of idle physical GPUs changed for `--partition` demand (core/partplan.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from gpusched.core.actions import (
     busy_uuids,
 )
 from gpusched.core.migplan import MigPolicy, plan_dynamic
+from gpusched.core.partplan import physical_gpus, plan_partitions, track_idle
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
 from gpusched.model import (
     Job,
     MigRequest,
+    PartitionRequest,
     WholeRequest,
 )
 
@@ -110,3 +113,42 @@ class MigMixin(SyncMixin):
                 return [SetMigMode(gpu.index, True, f"MIG work waits ({', '.join(sorted(set(mig_demand)))}) and no "
                                    f"dynamic GPU in MIG mode has room; GPU {gpu.index} has been idle")]
         return []
+
+    def _plan_partitions(self, snapshot: Snapshot, cluster: Cluster, head: Job | None, reserved: frozenset[str],
+                         now: float) -> list[Action]:
+        """Change idle AMD physical GPUs to the compute mode pending `--partition` jobs find no idle
+        logical GPU of (core/partplan.py), with the `[mig]` damping.
+
+        Nothing changes while the blocked fairness head is another kind of job: its reservation may
+        count on today's idle logical GPUs, and a mode change renumbers them. Costs one look at the
+        queue per pass on AMD nodes only (NVIDIA GPUs have no partition: the first test returns).
+        """
+        phys = physical_gpus(snapshot.gpus)
+        if not phys:
+            return []
+        busy = {u for u, d in cluster.devices.items() if not d.idle} | busy_uuids(snapshot.active)
+        track_idle(phys, busy, self._part_idle_since, now)
+        head_req = head.spec.request if head is not None else None
+        if head_req is not None and not isinstance(head_req, PartitionRequest):
+            return []
+        pending: dict[str, int] = {}
+        for jid in self.queue.job_ids():
+            job = self.queue.get(jid)
+            if job is not None and isinstance(job.spec.request, PartitionRequest):
+                pending[job.spec.request.mode] = pending.get(job.spec.request.mode, 0) + job.spec.request.gpus
+        if not pending:
+            return []
+        idle: dict[str, int] = {}
+        for d in cluster.devices.values():
+            if d.partition is not None and d.idle and d.uuid not in reserved:
+                idle[d.partition] = idle.get(d.partition, 0) + 1
+        wanted = {m: n - idle.get(m, 0) for m, n in pending.items() if n > idle.get(m, 0)}
+        order = sorted(wanted, key=lambda m: (not (isinstance(head_req, PartitionRequest) and head_req.mode == m),
+                                              -wanted[m], m))
+        blocked = set(snapshot.unschedulable) | set(reserved) | {
+            u for u, mode in snapshot.share_modes.items() if mode != "exclusive"}
+        changes = plan_partitions(phys, wanted, order, busy=busy, blocked=blocked, idle_since=self._part_idle_since,
+                                  last_reconfig=self._part_last_reconfig, now=now, policy=self.config.mig)
+        for c in changes:
+            self._part_last_reconfig[c.physical_index] = now
+        return list(changes)

@@ -20,6 +20,7 @@ from gpusched.core.sched_scan import ScanMixin
 from gpusched.model import (
     Allocation,
     Job,
+    PartitionRequest,
     ShareRequest,
     WholeRequest,
 )
@@ -182,10 +183,17 @@ class PreemptionMixin(ScanMixin):
             paused = {c.job_id for c in cands if c.mode == "suspend"}
             return self._share_hopeless(cluster, job, req, released, paused, forbidden)
         found = 0
-        need = req.gpus if isinstance(req, WholeRequest) else 1
+        need = req.gpus if isinstance(req, (WholeRequest, PartitionRequest)) else 1
         for d in cluster.devices.values():
-            if d.uuid in forbidden or (d.kind != "gpu" if isinstance(req, WholeRequest)
-                                       else d.kind != "mig" or d.profile != req.profile):
+            if d.uuid in forbidden:
+                continue
+            if isinstance(req, WholeRequest):
+                if d.kind != "gpu":
+                    continue
+            elif isinstance(req, PartitionRequest):
+                if d.kind != "gpu" or d.partition != req.mode:
+                    continue
+            elif d.kind != "mig" or d.profile != req.profile:
                 continue
             if (d.holder is None or d.holder in released) and all(jid in released for jid in d.clients):
                 found += 1

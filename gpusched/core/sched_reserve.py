@@ -7,7 +7,7 @@ import math
 
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_core import SchedulerCore, _Reservation
-from gpusched.model import Job, WholeRequest
+from gpusched.model import Job, PartitionRequest, WholeRequest
 
 
 class ReservationMixin(SchedulerCore):
@@ -71,7 +71,9 @@ class ReservationMixin(SchedulerCore):
         for index, (_, jid) in enumerate(ends):
             touched = sim.devices_of(jid)
             sim.release(jid)
-            alloc = self._place(sim, job, reserved, only=touched)
+            req = job.spec.request
+            many = isinstance(req, PartitionRequest) and req.gpus > 1  # may need several releases' devices
+            alloc = self._place(sim, job, reserved, only=None if many else touched)
             if alloc is not None:
                 return index, frozenset(alloc.uuids)
         return None, frozenset()

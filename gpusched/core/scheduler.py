@@ -25,6 +25,7 @@ from gpusched.core.actions import (
     PreemptJob,
     ResumeJob,
     SetMigMode,
+    SetPartitionMode,
     Snapshot,
     StartJob,
     busy_uuids,
@@ -69,6 +70,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SetMigMode",
+    "SetPartitionMode",
     "Snapshot",
     "StartJob",
     "busy_uuids",
@@ -114,6 +116,8 @@ class Scheduler(PersistMixin):
         self._idle_since: dict[str, float] = {}
         self._last_reconfig: dict[int, float] = {}
         self._gpu_idle_since: dict[int, float] = {}  # dynamic GPU -> since when nothing has run on it
+        self._part_idle_since: dict[int, float] = {}
+        self._part_last_reconfig: dict[int, float] = {}
         self._preempting: dict[int, float] = {}
         self._started_at_first_plan: float | None = None
         self._charged_until: float | None = None  # a restart's standing charged running jobs up to here
@@ -295,6 +299,7 @@ class Scheduler(PersistMixin):
         mig_actions = self._plan_mig(snapshot, cluster, mig_demand, doomed, now)
         actions.extend(mig_actions)
         actions.extend(self._plan_mig_mode(snapshot, cluster, head, mig_demand, mig_actions, now))
+        actions.extend(self._plan_partitions(snapshot, cluster, head, reserved, now))
         if not self._preempting:
             waiting = self._waiting_interactive(now)
             if waiting is not None:

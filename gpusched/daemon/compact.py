@@ -21,11 +21,13 @@ from pydantic_core import from_json
 from gpusched.construct import construct, fields_of
 from gpusched.model import (
     Allocation,
+    AnyRequest,
     Dependency,
     Job,
     JobSpec,
     JobState,
     MigRequest,
+    PartitionRequest,
     ShareRequest,
     Transition,
     WholeRequest,
@@ -38,8 +40,8 @@ DEFAULT_CAPACITY = 4096
 
 _SPEC_FIELDS = frozenset(JobSpec.model_fields)
 _SPEC_ORDER = tuple(JobSpec.model_fields)
-_REQUEST_TYPES: dict[str, type[WholeRequest] | type[MigRequest] | type[ShareRequest]] = {
-    "whole": WholeRequest, "mig": MigRequest, "share": ShareRequest,
+_REQUEST_TYPES: dict[str, type[WholeRequest] | type[MigRequest] | type[ShareRequest] | type[PartitionRequest]] = {
+    "whole": WholeRequest, "mig": MigRequest, "share": ShareRequest, "partition": PartitionRequest,
 }
 # One fields-set object per model: pydantic copies it before any change (model_copy), so instances
 # built with `model_construct` may share it instead of holding a 700-byte set each.
@@ -95,7 +97,7 @@ class Compactor:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._envs: _Pool[tuple[tuple[str, str], ...], dict[str, str]] = _Pool(capacity)
         self._argvs: _Pool[tuple[str, ...], list[str]] = _Pool(capacity)
-        self._requests: _Pool[tuple[Any, ...], WholeRequest | MigRequest | ShareRequest] = _Pool(capacity)
+        self._requests: _Pool[tuple[Any, ...], AnyRequest] = _Pool(capacity)
         self._strings: _Pool[str, str] = _Pool(capacity)
         # Keyed by the stored JSON text, so at most `capacity` texts of at most MAX_SPEC_BYTES each.
         self._specs: _Table[str, JobSpec] = _Table(capacity)

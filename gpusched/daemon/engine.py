@@ -22,6 +22,7 @@ from gpusched.core.scheduler import (
     PreemptJob,
     ResumeJob,
     SetMigMode,
+    SetPartitionMode,
     Snapshot,
     StartJob,
 )
@@ -306,6 +307,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
                 self._set(job, JobState.RUNNING, action.reason)
         elif isinstance(action, SetMigMode):
             await self._set_mig_mode(action)
+        elif isinstance(action, SetPartitionMode):
+            await self._set_partition_mode(action)
         elif isinstance(action, CreateInstance):
             if await self._gpu_call(self.backend.create_instance, action.gpu_index, action.profile, action.start):
                 self.metrics.record_mig_reconfiguration(action.gpu_index)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from gpusched.core.migplan import LayoutChange
-from gpusched.core.scheduler import SetMigMode
+from gpusched.core.scheduler import SetMigMode, SetPartitionMode
 from gpusched.daemon.devices import DeviceError, simulator_of
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.recovery import StopRequest
@@ -207,6 +207,35 @@ class DevicesMixin(EngineCore):
                 f"MIG mode {word} requested, not in effect: {change.detail or 'pending'} ({action.reason})"
             self.metrics.record_mig_reconfiguration(index)
             self.store.add_event(Event(at=self.clock(), kind="mig_mode", gpu=index, message=message))
+        self.wake()
+
+    async def _set_partition_mode(self, action: SetPartitionMode) -> None:
+        """Change an idle AMD physical GPU's partition mode, then re-read the inventory (its logical
+        GPUs come back with new indices and UUIDs). A refusal (a process appeared, the driver said no)
+        is logged and recorded; the pass goes on and jobs elsewhere are untouched."""
+        p = action.physical_index
+        mine = [g for g in self.inventory.gpus if g.partition is not None and g.partition.physical_index == p]
+        before = f"{mine[0].partition.compute_mode}/{mine[0].partition.memory_mode}" if mine and mine[0].partition \
+            else "?"
+        target = f"{action.compute}/{action.memory}"
+        indices = {g.index for g in mine}
+        holder = next((j.id for j in self.active_jobs() if j.allocation is not None
+                       and any(d.gpu_index in indices for d in j.allocation.devices)), None)
+        if holder is not None:
+            log.warning("partition mode of GPU %d: %s -> %s skipped: job %d runs on it", p, before, target, holder)
+            return
+        try:
+            change = await asyncio.to_thread(self.backend.set_partition_mode, p, action.compute, action.memory)
+        except GpuError as exc:
+            log.warning("partition mode of GPU %d: %s -> %s failed: %s", p, before, target, exc.message)
+            self.store.add_event(Event(at=self.clock(), kind="partition_mode", gpu=p,
+                                       message=f"{before} -> {target} refused: {exc.message} ({action.reason})"))
+            change = None
+        await self.refresh_inventory()
+        if change is not None:
+            log.info("partition mode of GPU %d: %s -> %s (%s)", p, before, target, action.reason)
+            self.store.add_event(Event(at=self.clock(), kind="partition_mode", gpu=p,
+                                       message=f"partition mode {before} -> {target}: {action.reason}"))
         self.wake()
 
     async def _gpu_call(self, fn: Callable[..., object], *args: object) -> bool:

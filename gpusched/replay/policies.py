@@ -25,6 +25,7 @@ from gpusched.model import (
     Allocation,
     JobState,
     MigRequest,
+    PartitionRequest,
     ShareRequest,
     WholeRequest,
 )
@@ -117,9 +118,11 @@ def timeslice_fifo(context: PolicyContext) -> TimesliceFifo:
     return TimesliceFifo(int(context.options.get("replicas", 4)))
 
 
-def _fraction(req: MigRequest | ShareRequest) -> float:
+def _fraction(req: MigRequest | ShareRequest | PartitionRequest) -> float:
     if isinstance(req, ShareRequest):
         return req.fraction
+    if isinstance(req, PartitionRequest):
+        return float(req.gpus)  # this baseline has no partitions: a logical GPU counts whole
     return int(req.profile.split("g", 1)[0]) / 7
 
 

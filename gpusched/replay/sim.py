@@ -150,6 +150,8 @@ class Simulator(SimBase):
                 self.unsatisfiable += 1
         elif isinstance(action, ResumeJob):
             self._resume(action)
+        # SetPartitionMode: the simulated node has no partitions (traces have no --partition jobs), so the
+        # scheduler never asks for one here (docs/replay.md)
 
     def _start(self, action: StartJob) -> None:
         job = self.pending.pop(action.job_id, None)

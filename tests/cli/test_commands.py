@@ -131,6 +131,8 @@ def test_version_and_help_document_exit_codes() -> None:
         (["--mig", "3g"], "'--mig': '3g' is not a MIG profile"),
         (["--gpus", "1", "--nice", "20"], "'--nice'"),
         (["--gpus", "1", "--class", "urgent"], "'--class'"),
+        (["--partition", "tpx"], "'--partition': 'tpx' is not one of 'spx', 'dpx', 'qpx', 'cpx'"),
+        (["--partition", "cpx", "--mig", "1g.10gb"], "--partition MODE goes alone or with --gpus N (got it with"),
     ],
 )
 def test_submit_usage_errors_exit_2_and_name_the_flag(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -138,6 +140,19 @@ def test_submit_usage_errors_exit_2_and_name_the_flag(tmp_path: Path, args: list
     result = gs(str(tmp_path / "none.sock"), "submit", *args, "--", "true")
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.stderr.split()), result.stderr
+
+
+def test_partition_flag_builds_a_partition_request_with_gpus_as_its_count() -> None:
+    from gpusched_cli.commands.submit import build_request
+
+    assert build_request(None, None, None, None, "cpx") == {"kind": "partition", "mode": "CPX", "gpus": 1}
+    assert build_request(2, None, None, None, "QPX") == {"kind": "partition", "mode": "QPX", "gpus": 2}
+
+
+def test_partition_request_on_an_nvidia_node_is_refused_with_the_reason(node: DaemonHandle) -> None:
+    result = gs(node, "submit", "--partition", "cpx", "--", "true")
+    assert result.exit_code == 6, result.output
+    assert "no partitions on NVIDIA; use --mig" in " ".join(result.stderr.split())
 
 
 def test_submit_needs_a_command(tmp_path: Path) -> None:

@@ -212,3 +212,50 @@ def test_reload_refuses_mps_on_an_amd_gpu_and_keeps_the_old_config(
 def _gs(proc: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", proc.socket, *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def test_partition_jobs_change_an_idle_gpu_mode_from_demand_and_never_a_busy_one(
+        daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """`--partition cpx` on two SPX MI300X: one GPU runs a whole-GPU job, so the other (idle) one
+    changes to CPX and the CPX jobs run on its logical GPUs; the busy one keeps SPX."""
+    from gpusched.config_sections import MigSection
+    from gpusched.model import Job, PartitionRequest
+    from gpusched.protocol import ShowRequest, ShowResult
+    from tests.conftest import wait_until
+
+    d = daemon_factory("MI300X:2", mig=MigSection(min_idle_s=0, min_reconfig_interval_s=0))
+    with d.client() as c:
+        busy = submit(c, spec("sleep", "30"))
+        def show(job_id: int) -> Job:
+            return c.call(ShowRequest(job_id=job_id), ShowResult).job
+
+        wait_until(lambda: show(busy).state is JobState.RUNNING, timeout=20, what="the whole-GPU job running")
+        held = show(busy).allocation
+        assert held is not None
+        busy_physical = held.devices[0].gpu_index  # SPX: logical index == physical index
+        cpx = JobSpec(argv=["sh", "-c", ENV_DUMP], cwd=os.getcwd(), env={"PATH": os.environ["PATH"]},
+                      request=PartitionRequest(mode="CPX"))
+        ids = [submit(c, cpx) for _ in range(3)]
+        seen = [_visible(c, i) for i in ids]
+
+        def modes() -> dict[int, set[str]]:
+            out: dict[int, set[str]] = {}
+            for g in c.call(GpusRequest(), GpusResult).gpus:
+                assert g.partition is not None
+                out.setdefault(g.partition.physical_index, set()).add(g.partition.compute_mode)
+            return out
+
+        now = modes()
+        assert now[busy_physical] == {"SPX"}  # the busy GPU was never changed
+        assert now[1 - busy_physical] == {"CPX"}
+        cpx_indices = {str(g.index) for g in c.call(GpusRequest(), GpusResult).gpus
+                       if g.partition is not None and g.partition.compute_mode == "CPX"}
+        assert len(cpx_indices) == 8
+        for s in seen:
+            assert s["ROCR_VISIBLE_DEVICES"] in cpx_indices and s["HIP_VISIBLE_DEVICES"] == "0", s
+        assert show(busy).state is JobState.RUNNING  # untouched by the change
+        assert show(busy).allocation == held
+    out = subprocess.run([sys.executable, "-m", "gpusched_cli.main", "--socket", d.socket, "gpus"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CPX/NPS1" in out.stdout and "SPX/NPS1" in out.stdout

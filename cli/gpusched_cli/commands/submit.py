@@ -167,9 +167,16 @@ def _check_mig(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def build_request(
-    gpus: int | None, mig: str | None, share: float | None, gpu_mem_mib: int | None
+    gpus: int | None, mig: str | None, share: float | None, gpu_mem_mib: int | None, partition: str | None = None,
 ) -> dict[str, Any]:
-    """Exactly one of --gpus / --mig / --share+--gpu-mem; the error names the flags involved."""
+    """Exactly one of --gpus / --mig / --share+--gpu-mem (--partition MODE, alone or with --gpus N for
+    N logical GPUs of that mode); the error names the flags involved."""
+    if partition is not None:
+        if mig is not None or share is not None or gpu_mem_mib is not None:
+            said = " and ".join(f for f, v in (("--mig", mig), ("--share", share), ("--gpu-mem", gpu_mem_mib))
+                                if v is not None)
+            raise click.UsageError(f"--partition MODE goes alone or with --gpus N (got it with {said})")
+        return messages.partition(partition.upper(), gpus or 1)
     chosen = [flag for flag, v in (("--gpus", gpus), ("--mig", mig), ("--share", share)) if v is not None]
     if len(chosen) != 1:
         said = f"got {' and '.join(chosen)}" if chosen else "got none"
@@ -194,6 +201,9 @@ def build_request(
 @click.command(context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", type=click.IntRange(1, 64), help="N whole GPUs")
 @click.option("--mig", metavar="PROFILE", callback=_check_mig, help="one MIG instance, e.g. 3g.40gb")
+@click.option("--partition", type=click.Choice(["spx", "dpx", "qpx", "cpx"], case_sensitive=False),
+              help="AMD Instinct: a logical GPU of a physical GPU in this compute partition mode (with --gpus N: N "
+                   "of them); idle GPUs change mode from demand")
 @click.option("--share", metavar="F", callback=_fraction_flag,
               help="a fraction of one GPU's compute on a shared device (MPS or time-slicing), e.g. 0.25 or 25%, "
                    "at least 0.01; needs --gpu-mem")
@@ -228,6 +238,7 @@ def submit(
     ctx: click.Context,
     gpus: int | None,
     mig: str | None,
+    partition: str | None,
     share: float | None,
     gpu_mem: int | None,
     name: str | None,
@@ -253,13 +264,14 @@ def submit(
       gpusched submit --gpus 2 --time 4:00:00 -- python train.py --lr 3e-4
       gpusched submit --mig 3g.40gb --name eval -- ./eval.sh
       gpusched submit --share 0.25 --gpu-mem 10G --wait -- python infer.py
+      gpusched submit --partition cpx -- python small.py   # AMD: one eighth of an MI300X
       gpusched submit --gpus 1 --array 0-99%8 -- python sweep.py   # task i reads $GPUSCHED_ARRAY_TASK_ID
     """
     if array is not None and wait:
         raise click.UsageError("--wait waits for one job; with --array, wait with `gpusched queue` or `show ID`")
     if not command[0].strip():  # it would only fail at exec, after waiting its turn for a GPU
         raise click.BadParameter("the program to run is empty", param_hint="'-- CMD'")
-    request = build_request(gpus, mig, share, gpu_mem)
+    request = build_request(gpus, mig, share, gpu_mem, partition)
     try:
         env = parse_export(export, submitting_environ())
     except ValueError as exc:
