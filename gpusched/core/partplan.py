@@ -6,6 +6,12 @@ GPU of the physical GPU idle (the driver refuses otherwise) and renumbers them, 
 dynamic MIG with the same `[mig]` settings (core/migplan.py `MigPolicy`): the physical GPU must have
 been idle for `min_idle_s` and not changed for `min_reconfig_interval_s`.
 
+A change also renumbers every logical GPU after the changed one: logical GPUs are numbered in
+amdsmi's enumeration order, physical GPUs in BDF order and partitions within each, and a job's
+`ROCR_VISIBLE_DEVICES` holds those numbers. A process the job starts after a renumbering would open
+another job's logical GPU. So a physical GPU changes only while every physical GPU after it is idle
+and unconfigured too; jobs on GPUs before it keep their numbers.
+
 Pure: the scheduler (sched_mig.py `_plan_partitions`) passes in what is busy, the idle timers and now.
 docs/scheduling.md, "AMD partitions".
 """
@@ -85,19 +91,22 @@ def plan_partitions(
     """Mode changes for `wanted` (compute mode -> logical GPUs pending jobs still need), modes
     taken in `order` (the fairness head's first).
 
-    A candidate has no logical GPU `busy` or `blocked` (drained, kept for interactive work,
-    share-configured), has been idle `min_idle_s` and unchanged `min_reconfig_interval_s`. Among
-    candidates the one whose current mode pending jobs want least goes first (then the lowest
-    index), and changes continue until the mode's need is covered.
+    A candidate comes after the last physical GPU with a logical GPU `busy` or `blocked` (drained,
+    kept for interactive work, share-configured: `[gpus.N]` names a logical index, which a change
+    before it would move), has been idle `min_idle_s` and unchanged `min_reconfig_interval_s`.
+    Among candidates one whose current mode no pending job wants goes first, then the lowest index
+    (which leaves the most GPUs after it free to change later), and changes continue until the
+    mode's need is covered.
     """
     changes: list[SetPartitionMode] = []
     used: set[int] = set()
+    # the last physical GPU a job, a drain or a per-index setting holds: only GPUs after it may change
+    pinned = max((p.index for p in phys if any(u in busy or u in blocked for u in p.uuids)), default=-1)
 
     def switchable(p: Physical) -> bool:
         since = idle_since.get(p.index)
-        return (p.index not in used and since is not None and now - since >= policy.min_idle_s
-                and now - last_reconfig.get(p.index, -math.inf) >= policy.min_reconfig_interval_s
-                and not any(u in busy or u in blocked for u in p.uuids))
+        return (p.index > pinned and p.index not in used and since is not None and now - since >= policy.min_idle_s
+                and now - last_reconfig.get(p.index, -math.inf) >= policy.min_reconfig_interval_s)
 
     for mode in order:
         need = wanted.get(mode, 0)

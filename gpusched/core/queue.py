@@ -90,6 +90,9 @@ class RunQueue:
         self._parked: set[str] = set()
         self._skip = 0  # the first _skip entries of _order are parked (a pass parks users in order)
         self._versions: dict[str, int] = {}  # user -> bumped whenever their pending jobs change
+        # AMD compute mode -> logical GPUs pending `--partition` jobs ask for: the partition planner
+        # reads it every pass on AMD nodes, so it is kept as jobs come and go, not counted
+        self._partition_demand: dict[str, int] = {}
 
     # ---- membership ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -103,6 +106,19 @@ class RunQueue:
 
     def job_ids(self) -> set[int]:
         return set(self._jobs)
+
+    def partition_demand(self) -> dict[str, int]:
+        """Compute mode -> logical GPUs the pending `--partition` jobs ask for (a copy)."""
+        return dict(self._partition_demand)
+
+    def _count_partition(self, job: Job, sign: int) -> None:
+        req = job.spec.request
+        if isinstance(req, PartitionRequest):
+            left = self._partition_demand.get(req.mode, 0) + sign * req.gpus
+            if left > 0:
+                self._partition_demand[req.mode] = left
+            else:
+                self._partition_demand.pop(req.mode, None)
 
     def has_user(self, user: str) -> bool:
         return user in self._users
@@ -123,6 +139,7 @@ class RunQueue:
         if job.id in self._jobs:
             self.remove(job.id)
         self._jobs[job.id] = job
+        self._count_partition(job, 1)
         key = job_key(job, self._expected_of(job))
         self._keys[job.id] = key
         uq = self._users.get(job.user)
@@ -143,6 +160,7 @@ class RunQueue:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
+        self._count_partition(job, -1)
         uq = self._users[job.user]
         key = self._keys.pop(job_id)
         was_head = uq.jobs[0] == key

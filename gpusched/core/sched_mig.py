@@ -120,8 +120,9 @@ class MigMixin(SyncMixin):
         logical GPU of (core/partplan.py), with the `[mig]` damping.
 
         Nothing changes while the blocked fairness head is another kind of job: its reservation may
-        count on today's idle logical GPUs, and a mode change renumbers them. Costs one look at the
-        queue per pass on AMD nodes only (NVIDIA GPUs have no partition: the first test returns).
+        count on today's idle logical GPUs, and a mode change renumbers them. The queue keeps the
+        pending demand per mode, so a pass pays for the GPUs, not the queue (and on NVIDIA, which
+        has no partition, the first test returns).
         """
         phys = physical_gpus(snapshot.gpus)
         if not phys:
@@ -131,11 +132,7 @@ class MigMixin(SyncMixin):
         head_req = head.spec.request if head is not None else None
         if head_req is not None and not isinstance(head_req, PartitionRequest):
             return []
-        pending: dict[str, int] = {}
-        for jid in self.queue.job_ids():
-            job = self.queue.get(jid)
-            if job is not None and isinstance(job.spec.request, PartitionRequest):
-                pending[job.spec.request.mode] = pending.get(job.spec.request.mode, 0) + job.spec.request.gpus
+        pending = self.queue.partition_demand()
         if not pending:
             return []
         idle: dict[str, int] = {}

@@ -210,19 +210,24 @@ class DevicesMixin(EngineCore):
         self.wake()
 
     async def _set_partition_mode(self, action: SetPartitionMode) -> None:
-        """Change an idle AMD physical GPU's partition mode, then re-read the inventory (its logical
-        GPUs come back with new indices and UUIDs). A refusal (a process appeared, the driver said no)
-        is logged and recorded; the pass goes on and jobs elsewhere are untouched."""
+        """Change an idle AMD physical GPU's partition mode, then re-read the inventory: its logical
+        GPUs come back with new indices and UUIDs, those of the GPUs after it with new indices. A
+        refusal (a process appeared, the driver said no) is logged and recorded; the pass goes on
+        and jobs elsewhere are untouched."""
         p = action.physical_index
         mine = [g for g in self.inventory.gpus if g.partition is not None and g.partition.physical_index == p]
         before = f"{mine[0].partition.compute_mode}/{mine[0].partition.memory_mode}" if mine and mine[0].partition \
             else "?"
         target = f"{action.compute}/{action.memory}"
-        indices = {g.index for g in mine}
+        # by UUID (indices are what a change renumbers): a job on this physical GPU, or on one after
+        # it, whose logical GPUs the change would renumber under its ROCR_VISIBLE_DEVICES
+        renumbered = {g.uuid for g in self.inventory.gpus
+                      if g.partition is not None and g.partition.physical_index >= p}
         holder = next((j.id for j in self.active_jobs() if j.allocation is not None
-                       and any(d.gpu_index in indices for d in j.allocation.devices)), None)
+                       and renumbered.intersection(j.allocation.uuids)), None)
         if holder is not None:
-            log.warning("partition mode of GPU %d: %s -> %s skipped: job %d runs on it", p, before, target, holder)
+            log.warning("partition mode of GPU %d: %s -> %s skipped: job %d runs on it or on a GPU after it",
+                        p, before, target, holder)
             return
         try:
             change = await asyncio.to_thread(self.backend.set_partition_mode, p, action.compute, action.memory)

@@ -106,19 +106,31 @@ def test_reconfig_interval_is_respected_per_physical_gpu() -> None:
     assert [a.compute for a in node.plan(600.0) if isinstance(a, SetPartitionMode)] == ["QPX"]
 
 
-def test_demand_larger_than_one_gpu_changes_as_many_gpus_as_needed_and_keeps_wanted_modes() -> None:
+def test_demand_larger_than_one_gpu_changes_as_many_gpus_as_needed_lowest_first() -> None:
     node = AmdNode("MI300X:3", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
     node.pending[1] = pjob(1, "DPX", gpus=2)
     node.pending[2] = pjob(2, "DPX", gpus=2)
-    node.pending[3] = pjob(3, "SPX")  # backfills onto one SPX GPU at once
-    before = {g.uuid: g.partition.physical_index for g in node.gpus if g.partition is not None}
     acts = node.plan(0.0)
-    changes = [a for a in acts if isinstance(a, SetPartitionMode)]
-    assert [a.compute for a in changes] == ["DPX", "DPX"]  # 4 DPX logical GPUs wanted: two physical GPUs
-    spx = before[node.active[3].allocation.devices[0].uuid]  # type: ignore[union-attr]
-    assert {a.physical_index for a in changes} == {0, 1, 2} - {spx}  # not the GPU the SPX job runs on
+    changes = [(a.physical_index, a.compute) for a in acts if isinstance(a, SetPartitionMode)]
+    assert changes == [(0, "DPX"), (1, "DPX")]  # 4 DPX logical GPUs wanted: two physical GPUs, no third
+    assert node.mode_of(2) == "SPX"
     node.plan(1.0)
-    assert set(node.active) == {1, 2, 3}
+    assert set(node.active) == {1, 2}
+
+
+def test_a_job_on_the_last_gpu_pins_every_gpu_before_it() -> None:
+    """The SPX job goes to GPU 2 (best fit by NUMA node: GPU 2 is alone on node 1). Changing GPU 0
+    or 1 would renumber its logical GPU, so the DPX demand waits until it ends."""
+    node = AmdNode("MI300X:3", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "DPX", gpus=2)
+    node.pending[2] = pjob(2, "SPX")
+    acts = node.plan(0.0)
+    (start,) = [a for a in acts if isinstance(a, StartJob)]
+    assert start.job_id == 2 and start.allocation.devices[0].gpu_index == 2
+    assert not [a for a in acts if isinstance(a, SetPartitionMode)]
+    del node.active[2]
+    assert [(a.physical_index, a.compute) for a in node.plan(1.0) if isinstance(a, SetPartitionMode)] == \
+        [(0, "DPX")]
 
 
 def test_partition_requests_are_refused_on_nvidia_and_for_modes_a_model_lacks() -> None:
@@ -147,7 +159,58 @@ def test_property_no_mode_change_on_a_physical_gpu_with_a_job(modes: list[str], 
         acts = node.plan(now)
         started = {before[d.uuid] for a in acts if isinstance(a, StartJob) for d in a.allocation.devices}
         for a in acts:
-            if isinstance(a, SetPartitionMode):
-                assert a.physical_index not in phys_busy | started
+            if isinstance(a, SetPartitionMode):  # nor one before a busy GPU: it would renumber it
+                assert a.physical_index > max(phys_busy | started, default=-1)
         for jid in list(node.active)[: len(node.active) // 2]:  # some jobs end
             del node.active[jid]
+
+
+def test_a_gpu_before_a_busy_one_is_not_changed_since_the_change_would_renumber_the_busy_one() -> None:
+    """Logical GPUs are numbered physical GPU by physical GPU: a change of GPU 0 moves GPU 1's
+    numbers under the job running there (its ROCR_VISIBLE_DEVICES). GPU 0 waits until GPU 1 is idle."""
+    node = AmdNode("MI300X:2", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "SPX")
+    node.pending[2] = pjob(2, "SPX")
+    node.plan(0.0)
+    assert set(node.active) == {1, 2}
+    on_gpu0 = next(j for j in node.active.values() if j.allocation and j.allocation.devices[0].gpu_index == 0)
+    del node.active[on_gpu0.id]  # GPU 0 is idle, GPU 1 still runs a job
+    node.pending[3] = pjob(3, "CPX")
+    for t in (10.0, 1000.0):
+        assert not [a for a in node.plan(t) if isinstance(a, SetPartitionMode)]
+    assert node.mode_of(0) == "SPX"
+    node.active.clear()  # GPU 1's job ends: now GPU 0, the lowest, changes
+    assert [(a.physical_index, a.compute) for a in node.plan(1001.0) if isinstance(a, SetPartitionMode)] == \
+        [(0, "CPX")]
+    node.plan(1002.0)
+    assert 3 in node.active and node.active[3].allocation is not None
+
+
+def test_a_gpu_after_a_busy_one_changes_and_the_busy_jobs_numbers_stay() -> None:
+    node = AmdNode("MI300X:2", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "SPX")
+    node.plan(0.0)
+    (held,) = node.active[1].allocation.devices  # type: ignore[union-attr]
+    assert held.gpu_index == 0
+    node.pending[2] = pjob(2, "CPX")
+    assert [a.physical_index for a in node.plan(1.0) if isinstance(a, SetPartitionMode)] == [1]
+    same = next(g for g in node.gpus if g.uuid == held.uuid)
+    assert same.index == held.gpu_index  # the running job's ROCR_VISIBLE_DEVICES still names its GPU
+
+
+def test_the_queue_keeps_the_partition_demand_as_jobs_come_and_go() -> None:
+    from gpusched.core.fairshare import FairShare
+    from gpusched.core.queue import RunQueue
+
+    q = RunQueue(FairShare())
+    q.submit(pjob(1, "CPX", gpus=3))
+    q.submit(pjob(2, "CPX"))
+    q.submit(pjob(3, "DPX", gpus=2))
+    q.submit(pjob(1, "CPX", gpus=3))  # submitted again: replaced, not counted twice
+    assert q.partition_demand() == {"CPX": 4, "DPX": 2}
+    q.remove(3)
+    q.remove(2)
+    assert q.partition_demand() == {"CPX": 3}
+    q.remove(1)
+    q.remove(1)  # unknown now: nothing changes
+    assert q.partition_demand() == {}

@@ -233,6 +233,9 @@ def test_partition_jobs_change_an_idle_gpu_mode_from_demand_and_never_a_busy_one
         held = show(busy).allocation
         assert held is not None
         busy_physical = held.devices[0].gpu_index  # SPX: logical index == physical index
+        # best fit takes the lowest index among equals; on GPU 1 it would pin GPU 0 too (a change of
+        # GPU 0 renumbers GPU 1's logical GPU under the running job), which the core tests cover
+        assert busy_physical == 0, held
         cpx = JobSpec(argv=["sh", "-c", ENV_DUMP], cwd=os.getcwd(), env={"PATH": os.environ["PATH"]},
                       request=PartitionRequest(mode="CPX"))
         ids = [submit(c, cpx) for _ in range(3)]
