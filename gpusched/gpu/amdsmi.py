@@ -15,6 +15,7 @@ when it changes. See docs/gpu.md, "AMD Instinct (amdsmi)".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from gpusched.gpu.backend import (
     Partition,
     PartitionModeChange,
 )
+from gpusched.gpu.numa import sysfs_node_cpus
 
 MiB = 1024 * 1024
 
@@ -65,8 +67,12 @@ def logical_uuid(physical_uuid: str, compute: str, memory: str, partition_id: in
 class AmdSmiBackend(EventsMixin, AmdSmiCore):
     """GpuBackend over amdsmi or simamdsmi. Safe to call from the loop while `wait_event` blocks."""
 
-    def __init__(self, module: Any, *, init: bool = True) -> None:
+    def __init__(self, module: Any, *, init: bool = True,
+                 node_cpus: Callable[[int], tuple[int, ...]] = sysfs_node_cpus) -> None:
+        """`node_cpus`: the CPUs of a NUMA node (sysfs on a real host; the simulated host's topology
+        under `--sim`), which become each GPU's CPU affinity."""
         super().__init__(module, init=init)
+        self._node_cpus = node_cpus
         self._handles = []
         self._enumeration = 0
         self._uuid_handles: dict[str, Any] = {}
@@ -163,6 +169,7 @@ class AmdSmiBackend(EventsMixin, AmdSmiCore):
             mig_pending=False,
             memory_used_mib=used // MiB,
             numa_node=int(numa) if isinstance(numa, int) else None,
+            cpu_affinity=self._node_cpus(int(numa)) if isinstance(numa, int) else (),
             partition=partition,
             vendor="amd",
         )
@@ -273,7 +280,8 @@ def open_amd_backend(sim_spec: str | None) -> AmdSmiBackend:
         from gpusched.gpu.simamdsmi import SimAmdSmi
 
         try:
-            return AmdSmiBackend(SimAmdSmi.from_spec(sim_spec))
+            sim = SimAmdSmi.from_spec(sim_spec)
+            return AmdSmiBackend(sim, node_cpus=sim.node_cpus)
         except ValueError as err:
             raise GpuInvalidArgumentError(str(err), hint="e.g. --sim MI300X:2 or --sim MI300X:1,MI325X:1") from None
     try:

@@ -137,9 +137,11 @@ class SimAmdCore:
 
     def __init__(self, models: list[str], *, seed: int = 0, privileged: bool = True,
                  driver_version: str = DEFAULT_DRIVER_VERSION,
-                 modes: list[tuple[str, str] | None] | None = None) -> None:
+                 modes: list[tuple[str, str] | None] | None = None, host_cpus: int = 64) -> None:
         """`modes`: each GPU's (compute, memory) mode at start (as the driver kept it from the last
-        boot), None for the model's boot mode (SPX/NPS1)."""
+        boot), None for the model's boot mode (SPX/NPS1). `host_cpus`: the simulated host's CPUs,
+        split evenly over its two NUMA nodes (as simnvml's)."""
+        self._host_cpus = host_cpus
         rng = random.Random(seed)
         half = max(1, (len(models) + 1) // 2)
         start = modes or [None] * len(models)
@@ -193,6 +195,12 @@ class SimAmdCore:
         if not models:
             raise ValueError("empty simulator spec")
         return cls(models, modes=modes, **kwargs)
+
+    def node_cpus(self, node: int) -> tuple[int, ...]:
+        """The simulated host's CPUs of NUMA node `node` (not an amdsmi call: the host's sysfs
+        answers this on real hardware, gpu/numa.py), () for a node it does not have."""
+        per_node = max(1, self._host_cpus // 2)
+        return tuple(range(node * per_node, (node + 1) * per_node)) if node in (0, 1) else ()
 
     # ------------------------------------------------------------------ enumeration
 

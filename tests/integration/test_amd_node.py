@@ -108,6 +108,7 @@ def test_doctor_reports_partitions_and_no_mig(amd: DaemonHandle) -> None:
     assert checks["amdsmi"].status == "PASS" and "2 GPU(s)" in checks["amdsmi"].detail
     assert "SPX/NPS1" in checks["gpu0.partition"].detail and "304 CUs" in checks["gpu0.partition"].detail
     assert not any(name.endswith(".mig") for name in checks)
+    assert checks["numa"].status == "PASS", checks["numa"]  # each GPU's NUMA node's CPUs (gpu/numa.py)
 
 
 def test_whole_gpu_job_request_waits_for_a_free_logical_gpu(amd: DaemonHandle) -> None:
