@@ -3,8 +3,8 @@
 Kept out of both backends so that nvml.py stays the only door to pynvml and amdsmi.py the only door
 to amdsmi: this module only decides which door to knock on. A `--sim` spec names its vendor by its
 models (A100-40GB, H100-80GB, ... are NVIDIA; MI300X, MI325X are AMD); one spec may not mix them,
-because the daemon runs one backend. On real hardware NVML is tried first, then amdsmi; when neither
-loads, the error names both reasons.
+because the daemon runs one backend. On real hardware NVML is tried first, then amdsmi (also when NVML
+loads but lists no GPU); when neither loads, the error names both reasons.
 """
 
 from __future__ import annotations
@@ -67,11 +67,34 @@ def open_gpu(sim_spec: str | None) -> tuple[GpuBackend, str]:
         backend: GpuBackend = open_amd_backend(sim_spec) if vendor == "amd" else open_backend(sim_spec)
         return backend, BACKEND_NAMES[(vendor, True)]
     try:
-        return open_backend(None), BACKEND_NAMES[("nvidia", False)]
+        nvidia = open_backend(None)
     except (GpuError, ImportError) as nvml_err:
         nvml_why = nvml_err.message if isinstance(nvml_err, GpuError) else f"cannot import pynvml: {nvml_err}"
+    else:
+        if _gpu_count(nvidia) != 0:
+            return nvidia, BACKEND_NAMES[("nvidia", False)]
+        # NVML loaded but sees no GPU (a driver package on an AMD node): amdsmi gets its turn, and
+        # NVML is kept only when amdsmi finds nothing either (the daemon then serves zero GPUs)
+        try:
+            amd = open_amd_backend(None)
+        except GpuError:
+            return nvidia, BACKEND_NAMES[("nvidia", False)]
+        if _gpu_count(amd) == 0:
+            amd.close()
+            return nvidia, BACKEND_NAMES[("nvidia", False)]
+        nvidia.close()
+        return amd, BACKEND_NAMES[("amd", False)]
     try:
         return open_amd_backend(None), BACKEND_NAMES[("amd", False)]
     except GpuError as amd_err:
         raise GpuError(f"no GPU driver could be opened: NVIDIA: {nvml_why}; AMD: {amd_err.message}",
                        hint=BOTH_HINT) from None
+
+
+def _gpu_count(backend: GpuBackend) -> int | None:
+    """How many GPUs a freshly opened backend lists; None when it cannot say (it is kept: the
+    daemon's own inventory reports the error)."""
+    try:
+        return len(backend.inventory().gpus)
+    except GpuError:
+        return None

@@ -3,6 +3,7 @@ and why the core refuses MIG and MPS-less shares on AMD logical GPUs (core/satis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -99,3 +100,46 @@ def test_the_core_says_why_mig_and_unshared_shares_never_run_on_amd() -> None:
     big = ShareRequest(fraction=0.5, gpu_mem_mib=60 * 1024)  # a QPX logical GPU has 48 GiB
     assert "largest shared device on this node has 49152 MiB" in (
         unsatisfiable_reason(big, gpus, {gpus[0].uuid: "timeslice"}) or "")
+
+
+def test_nvml_with_no_gpu_gives_way_to_amdsmi_and_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AMD node with NVIDIA's library installed: NVML opens but lists no GPU, so amdsmi is used."""
+    empty = nvml.open_backend("H100-80GB:1")
+    no_gpus = dataclasses.replace(empty.inventory(), gpus=())
+    monkeypatch.setattr(empty, "inventory", lambda: no_gpus)
+    closed: list[str] = []
+    monkeypatch.setattr(empty, "close", lambda: closed.append("nvml"))
+    monkeypatch.setattr(nvml, "open_backend", lambda spec: empty)
+    amd = amdsmi.open_amd_backend("MI300X:1")
+    monkeypatch.setattr(amdsmi, "open_amd_backend", lambda spec: amd)
+    backend, name = open_gpu(None)
+    assert backend is amd and name == "amdsmi" and closed == ["nvml"]
+
+
+def test_nvml_with_no_gpu_is_kept_when_amdsmi_cannot_load_or_sees_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = nvml.open_backend("H100-80GB:1")
+    empty_inventory = dataclasses.replace(full.inventory(), gpus=())
+    monkeypatch.setattr(full, "inventory", lambda: empty_inventory)
+    amd = amdsmi.open_amd_backend("MI300X:1")
+    no_amd_gpus = dataclasses.replace(amd.inventory(), gpus=())
+    monkeypatch.setattr(amd, "inventory", lambda: no_amd_gpus)
+    monkeypatch.setattr(nvml, "open_backend", lambda spec: full)
+
+    def no_amd(spec: str | None) -> amdsmi.AmdSmiBackend:
+        raise GpuError("cannot load amdsmi: No module named 'amdsmi'")
+
+    monkeypatch.setattr(amdsmi, "open_amd_backend", no_amd)
+    assert open_gpu(None) == (full, "nvml")
+    monkeypatch.setattr(amdsmi, "open_amd_backend", lambda spec: amd)
+    assert open_gpu(None) == (full, "nvml")
+
+
+def test_nvml_with_gpus_never_asks_amdsmi(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = nvml.open_backend("H100-80GB:1")
+    monkeypatch.setattr(nvml, "open_backend", lambda spec: full)
+
+    def must_not_open(spec: str | None) -> amdsmi.AmdSmiBackend:
+        raise AssertionError("amdsmi opened on an NVIDIA node")
+
+    monkeypatch.setattr(amdsmi, "open_amd_backend", must_not_open)
+    assert open_gpu(None) == (full, "nvml")
