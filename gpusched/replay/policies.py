@@ -159,6 +159,9 @@ def parse_gpus(spec: str) -> tuple[str, ...]:
     """`MODEL[:COUNT][,...]` (the `--sim` syntax) -> one model key per GPU index."""
     models: list[str] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if "@" in part:  # gpuschedd --sim takes a start mode; the replay has no model for it
+            raise ValueError(f"bad --gpus part {part!r}: partition modes are not replayed (a trace's run times are "
+                             "whole-GPU run times; docs/replay.md, \"AMD Instinct nodes\"); drop the @MODE")
         name, _, count_s = part.partition(":")
         check_model(name)
         try:

@@ -70,6 +70,7 @@ def test_json_keeps_one_summary_per_line_and_says_what_was_skipped(write_csv: Ca
 @pytest.mark.parametrize("args, needle", [
     (["--gpus", "H100-80GB:1,MI300X:1"], "mixes NVIDIA (H100-80GB) and AMD (MI300X)"),
     (["--gpus", "MI400X:2"], "AMD Instinct: MI300X, MI325X"),
+    (["--gpus", "MI300X:2@CPX"], "partition modes are not replayed"),
 ])
 def test_bad_amd_gpus_exit_2(write_csv: Callable[[str], str], args: list[str], needle: str) -> None:
     result = CliRunner().invoke(cli, ["replay", write_csv(TRACE), *args])
