@@ -306,7 +306,9 @@ def test_a_timeslice_process_that_left_its_session_still_counts_against_the_job(
                    and pid_file.read_text().strip().isdigit(), what="running, with a process out of its session")
         escaped = int(pid_file.read_text())
         job = c.call(ShowRequest(job_id=job_id), ShowResult).job
-        assert job.pid is not None and os.getsid(escaped) != job.pid  # it did leave the session
+        assert job.pid is not None
+        # `$!` is written as soon as the shell forked; setsid(1) leaves the session a moment later
+        wait_until(lambda: os.getsid(escaped) != job.pid, what="the background process out of the job's session")
         with open(root / f"job-{job_id}" / "cgroup.procs", "a") as f:
             f.write(f"\n{escaped}\n")
         assert daemon.daemon is not None
