@@ -93,6 +93,9 @@ class RunQueue:
         # AMD compute mode -> logical GPUs pending `--partition` jobs ask for: the partition planner
         # reads it every pass on AMD nodes, so it is kept as jobs come and go, not counted
         self._partition_demand: dict[str, int] = {}
+        # `--gpus N` -> how many pending jobs ask it: the partition planner must not leave the node
+        # fewer logical GPUs than the largest asks (it would become unsatisfiable by our own doing)
+        self._whole_sizes: dict[int, int] = {}
 
     # ---- membership ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -111,6 +114,10 @@ class RunQueue:
         """Compute mode -> logical GPUs the pending `--partition` jobs ask for (a copy)."""
         return dict(self._partition_demand)
 
+    def largest_whole(self) -> int:
+        """The most whole GPUs a pending `--gpus N` job asks for (0 with none)."""
+        return max(self._whole_sizes, default=0)
+
     def _count_partition(self, job: Job, sign: int) -> None:
         req = job.spec.request
         if isinstance(req, PartitionRequest):
@@ -119,6 +126,12 @@ class RunQueue:
                 self._partition_demand[req.mode] = left
             else:
                 self._partition_demand.pop(req.mode, None)
+        elif isinstance(req, WholeRequest):
+            jobs = self._whole_sizes.get(req.gpus, 0) + sign
+            if jobs > 0:
+                self._whole_sizes[req.gpus] = jobs
+            else:
+                self._whole_sizes.pop(req.gpus, None)
 
     def has_user(self, user: str) -> bool:
         return user in self._users

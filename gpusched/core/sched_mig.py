@@ -15,7 +15,7 @@ from gpusched.core.actions import (
     busy_uuids,
 )
 from gpusched.core.migplan import MigPolicy, plan_dynamic
-from gpusched.core.partplan import physical_gpus, plan_partitions, track_idle
+from gpusched.core.partplan import HeadNeed, claim_for_head, physical_gpus, plan_partitions, track_idle
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
@@ -114,38 +114,64 @@ class MigMixin(SyncMixin):
                                    f"dynamic GPU in MIG mode has room; GPU {gpu.index} has been idle")]
         return []
 
+    def _partition_claim(self, snapshot: Snapshot, job: Job) -> frozenset[str]:
+        """Logical GPUs a blocked `--partition` head needs changed to its mode; backfill must leave
+        them to go idle (core/partplan.py `claim_for_head`)."""
+        req = job.spec.request
+        if not isinstance(req, PartitionRequest):
+            return frozenset()
+        phys = physical_gpus(snapshot.gpus)
+        if not phys:
+            return frozenset()
+        return claim_for_head(phys, req.mode, req.gpus, blocked=self._partition_pins(snapshot))
+
+    @staticmethod
+    def _partition_pins(snapshot: Snapshot) -> set[str]:
+        """Logical GPUs that pin every GPU before them besides busy ones: drained, or named by a
+        `[gpus.N]` setting (share mode, kept for interactive work) whose index a change would move.
+        The interactive headroom is not one: it is replanned every pass and moves with the GPUs."""
+        return set(snapshot.unschedulable) | set(snapshot.reserved_interactive) | {
+            u for u, mode in snapshot.share_modes.items() if mode != "exclusive"}
+
     def _plan_partitions(self, snapshot: Snapshot, cluster: Cluster, head: Job | None, reserved: frozenset[str],
                          now: float) -> list[Action]:
         """Change idle AMD physical GPUs to the compute mode pending `--partition` jobs find no idle
         logical GPU of (core/partplan.py), with the `[mig]` damping.
 
         Nothing changes while the blocked fairness head is another kind of job: its reservation may
-        count on today's idle logical GPUs, and a mode change renumbers them. The queue keeps the
-        pending demand per mode, so a pass pays for the GPUs, not the queue (and on NVIDIA, which
-        has no partition, the first test returns).
+        count on today's idle logical GPUs, and a mode change renumbers them. Nothing changes either
+        while a running job holds a device the inventory no longer lists: it cannot be told which
+        GPUs a change would renumber under it. The queue keeps the pending demand per mode, so a
+        pass pays for the GPUs, not the queue (and on NVIDIA, which has no partition, the first
+        test returns).
         """
         phys = physical_gpus(snapshot.gpus)
         if not phys:
             return []
-        busy = {u for u, d in cluster.devices.items() if not d.idle} | busy_uuids(snapshot.active)
+        running = busy_uuids(snapshot.active)
+        busy = {u for u, d in cluster.devices.items() if not d.idle} | running
         track_idle(phys, busy, self._part_idle_since, now)
         head_req = head.spec.request if head is not None else None
         if head_req is not None and not isinstance(head_req, PartitionRequest):
             return []
         pending = self.queue.partition_demand()
-        if not pending:
+        if not pending or not running <= {g.uuid for g in snapshot.gpus}:
             return []
         idle: dict[str, int] = {}
         for d in cluster.devices.values():
             if d.partition is not None and d.idle and d.uuid not in reserved:
                 idle[d.partition] = idle.get(d.partition, 0) + 1
         wanted = {m: n - idle.get(m, 0) for m, n in pending.items() if n > idle.get(m, 0)}
-        order = sorted(wanted, key=lambda m: (not (isinstance(head_req, PartitionRequest) and head_req.mode == m),
-                                              -wanted[m], m))
-        blocked = set(snapshot.unschedulable) | set(reserved) | {
-            u for u, mode in snapshot.share_modes.items() if mode != "exclusive"}
-        changes = plan_partitions(phys, wanted, order, busy=busy, blocked=blocked, idle_since=self._part_idle_since,
-                                  last_reconfig=self._part_last_reconfig, now=now, policy=self.config.mig)
+        need: HeadNeed | None = None
+        pins = self._partition_pins(snapshot)
+        if isinstance(head_req, PartitionRequest):
+            have = sum(len(p.uuids) for p in phys if p.compute == head_req.mode
+                       and not any(u in pins for u in p.uuids))
+            need = HeadNeed(head_req.mode, have < head_req.gpus)
+        order = sorted(wanted, key=lambda m: (need is None or need.mode != m, -wanted[m], m))
+        changes = plan_partitions(phys, wanted, order, busy=busy, blocked=pins, idle_since=self._part_idle_since,
+                                  last_reconfig=self._part_last_reconfig, now=now, policy=self.config.mig,
+                                  head=need, whole_needed=self.queue.largest_whole())
         for c in changes:
             self._part_last_reconfig[c.physical_index] = now
         return list(changes)

@@ -103,14 +103,23 @@ class PersistMixin(ExplainMixin):
             self._head_id = saved
 
     def export_mig_damping(self) -> dict[str, float]:
-        """When each GPU's MIG layout or mode last changed (`min_reconfig_interval_s` counts from it)."""
-        return {str(g): at for g, at in self._last_reconfig.items()}
+        """When each GPU's MIG layout or mode last changed (`min_reconfig_interval_s` counts from it),
+        and each AMD physical GPU's partition mode, under `p<index>`."""
+        return {**{str(g): at for g, at in self._last_reconfig.items()},
+                **{f"p{g}": at for g, at in self._part_last_reconfig.items()}}
 
-    def load_mig_damping(self, saved: Mapping[str, float]) -> None:
+    def load_mig_damping(self, saved: Mapping[str, object]) -> None:
         """Restore what export_mig_damping gave; call before the first plan. A restart does not let a
-        GPU be repartitioned sooner than the interval allows."""
-        self._last_reconfig.update({int(g): float(at) for g, at in saved.items()
-                                    if g.isdigit() and isinstance(at, (int, float)) and not isinstance(at, bool)})
+        GPU be repartitioned sooner than the interval allows (a record from before partitions has
+        no `p` keys, and one from a later version may have keys this one skips). `object`, not
+        float: compiled, a declared float would turn a stored `true` into 1.0 before the check."""
+        for key, at in saved.items():
+            if not isinstance(at, (int, float)) or isinstance(at, bool):
+                continue
+            if key.isdigit():
+                self._last_reconfig[int(key)] = float(at)
+            elif key.startswith("p") and key[1:].isdigit():
+                self._part_last_reconfig[int(key[1:])] = float(at)
 
     def export_demand(self) -> list[list[float]]:
         """The interactive demand of the last window (what sizes the headroom), for the store."""

@@ -233,7 +233,8 @@ class Scheduler(PersistMixin):
         head: Job | None = None
         fails: set[object] = set()
         mig_demand: list[str] = []
-        doomed: frozenset[str] = frozenset()  # idle instances the head's MIG reconfiguration needs
+        # what the head's reconfiguration needs idle: MIG instances, or AMD logical GPUs to change mode
+        doomed: frozenset[str] = frozenset()
         remembered = False  # fails were carried over from the last pass (nothing freed since)
         user_memo: UserMemo = {}
         scanned = 0
@@ -258,7 +259,7 @@ class Scheduler(PersistMixin):
                     if isinstance(job.spec.request, MigRequest):
                         mig_demand.append(job.spec.request.profile)
                     fingerprint = cluster.fingerprint()  # what is held while the head blocks
-                    doomed = self._mig_claim(snapshot, job)
+                    doomed = self._mig_claim(snapshot, job) | self._partition_claim(snapshot, job)
                     # worked out when first read (sched_reserve.py): most passes never need it
                     self._reserve_args = (cluster, job, now, reserved, fingerprint, doomed)
                     self._blocked[job.id] = "next by fairness; " + self._need(job, cluster)

@@ -221,12 +221,16 @@ class DevicesMixin(EngineCore):
         target = f"{action.compute}/{action.memory}"
         # by UUID (indices are what a change renumbers): a job on this physical GPU, or on one after
         # it, whose logical GPUs the change would renumber under its ROCR_VISIBLE_DEVICES
+        # (a device the inventory no longer lists cannot be placed: it might be any of them)
+        listed = {g.uuid for g in self.inventory.gpus}
         renumbered = {g.uuid for g in self.inventory.gpus
                       if g.partition is not None and g.partition.physical_index >= p}
         holder = next((j.id for j in self.active_jobs() if j.allocation is not None
-                       and renumbered.intersection(j.allocation.uuids)), None)
+                       and (renumbered.intersection(j.allocation.uuids) or not listed.issuperset(j.allocation.uuids))),
+                      None)
         if holder is not None:
-            log.warning("partition mode of GPU %d: %s -> %s skipped: job %d runs on it or on a GPU after it",
+            log.warning("partition mode of GPU %d: %s -> %s skipped: job %d runs on it, on a GPU after it or on "
+                        "a GPU the inventory no longer lists",
                         p, before, target, holder)
             return
         try:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpusched.core.actions import SetPartitionMode, Snapshot, StartJob
+from gpusched.core.actions import FailJob, SetPartitionMode, Snapshot, StartJob
+from gpusched.core.fairshare import FairnessConfig
 from gpusched.core.migplan import MigPolicy
 from gpusched.core.placement import unsatisfiable_reason
 from gpusched.core.queue import request_fraction
@@ -15,7 +16,7 @@ from gpusched.core.sched_core import SchedulerConfig
 from gpusched.core.scheduler import Scheduler
 from gpusched.gpu.amdsmi import open_amd_backend
 from gpusched.gpu.backend import Gpu, GpuBackend
-from gpusched.model import Allocation, Job, JobSpec, JobState, PartitionRequest
+from gpusched.model import AllocatedDevice, Allocation, Job, JobSpec, JobState, PartitionRequest, WholeRequest
 from tests.core.helpers import gpu
 
 POLICY = MigPolicy(min_idle_s=60.0, min_reconfig_interval_s=600.0)
@@ -119,18 +120,33 @@ def test_demand_larger_than_one_gpu_changes_as_many_gpus_as_needed_lowest_first(
 
 
 def test_a_job_on_the_last_gpu_pins_every_gpu_before_it() -> None:
-    """The SPX job goes to GPU 2 (best fit by NUMA node: GPU 2 is alone on node 1). Changing GPU 0
-    or 1 would renumber its logical GPU, so the DPX demand waits until it ends."""
+    """The SPX job, alone, goes to GPU 2 (best fit by NUMA node: GPU 2 is alone on node 1). Changing
+    GPU 0 or 1 would renumber its logical GPU, so the DPX demand that comes next waits until it
+    ends; then the lowest GPU changes."""
+    node = AmdNode("MI300X:3", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "SPX")
+    (start,) = [a for a in node.plan(0.0) if isinstance(a, StartJob)]
+    assert start.allocation.devices[0].gpu_index == 2
+    node.pending[2] = pjob(2, "DPX", gpus=2)
+    for t in (1.0, 100.0):
+        assert not [a for a in node.plan(t) if isinstance(a, SetPartitionMode)]
+    del node.active[1]
+    assert [(a.physical_index, a.compute) for a in node.plan(101.0) if isinstance(a, SetPartitionMode)] == \
+        [(0, "DPX")]
+
+
+def test_backfill_keeps_off_the_gpus_a_blocked_partition_head_needs_changed() -> None:
+    """The DPX head claims the last GPU (a change needs every GPU after it idle), so the SPX job
+    behind it backfills onto GPU 0 instead, and GPU 1 can change for the head at once."""
     node = AmdNode("MI300X:3", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
     node.pending[1] = pjob(1, "DPX", gpus=2)
-    node.pending[2] = pjob(2, "SPX")
+    node.pending[2] = pjob(2, "SPX", user="bob")
     acts = node.plan(0.0)
     (start,) = [a for a in acts if isinstance(a, StartJob)]
-    assert start.job_id == 2 and start.allocation.devices[0].gpu_index == 2
-    assert not [a for a in acts if isinstance(a, SetPartitionMode)]
-    del node.active[2]
-    assert [(a.physical_index, a.compute) for a in node.plan(1.0) if isinstance(a, SetPartitionMode)] == \
-        [(0, "DPX")]
+    assert start.job_id == 2 and start.allocation.devices[0].gpu_index == 0
+    assert [(a.physical_index, a.compute) for a in acts if isinstance(a, SetPartitionMode)] == [(1, "DPX")]
+    node.plan(1.0)
+    assert 1 in node.active
 
 
 def test_partition_requests_are_refused_on_nvidia_and_for_modes_a_model_lacks() -> None:
@@ -214,3 +230,148 @@ def test_the_queue_keeps_the_partition_demand_as_jobs_come_and_go() -> None:
     q.remove(1)
     q.remove(1)  # unknown now: nothing changes
     assert q.partition_demand() == {}
+    whole = [Job(id=10 + i, uid=1000, gid=100, user="bob", submitted_at=0.0, state=JobState.PENDING,
+                 spec=JobSpec(argv=["x"], cwd="/tmp", request=WholeRequest(gpus=n))) for i, n in enumerate((4, 16, 16))]
+    for j in whole:
+        q.submit(j)
+    assert q.largest_whole() == 16
+    q.remove(whole[1].id)
+    assert q.largest_whole() == 16  # the other 16-GPU job is still pending
+    q.remove(whole[2].id)
+    assert q.largest_whole() == 4
+    q.remove(whole[0].id)
+    assert q.largest_whole() == 0
+
+
+def test_a_partition_head_whose_mode_the_node_lacks_is_not_starved_by_a_stream_of_other_modes() -> None:
+    """MI300X:1 in CPX, alice keeps eight CPX jobs queued, bob asks SPX. Bob's claim keeps alice's
+    jobs off the GPU as they end, so it goes idle, changes after min_idle_s, and bob runs (before
+    the claim, each freed CPX GPU was refilled in the same pass: 2,000 s later bob still waited)."""
+    node = AmdNode("MI300X:1@CPX", MigPolicy(min_idle_s=5.0, min_reconfig_interval_s=0.0))
+    ends: dict[int, float] = {}
+    next_id = 0
+
+    def add(user: str, mode: str) -> int:
+        nonlocal next_id
+        next_id += 1
+        node.pending[next_id] = pjob(next_id, mode, user=user)
+        return next_id
+
+    for _ in range(8):
+        add("alice", "CPX")
+    bob = add("bob", "SPX")
+    t = 0.0
+    while bob not in node.active and t < 2000.0:
+        while sum(j.user == "alice" for j in node.pending.values()) < 8:
+            add("alice", "CPX")
+        for jid in [j for j, end in ends.items() if end <= t]:
+            node.active.pop(jid, None)
+            del ends[jid]
+        node.plan(t)
+        ends.update({jid: t + 30.0 + jid % 7 for jid in node.active if jid not in ends})
+        t += 1.0
+    assert bob in node.active, f"bob still pending at {t:.0f} s"
+    assert t < 60.0  # the longest CPX job (36 s), then min_idle_s
+    assert [a.compute for a in node.changes] == ["SPX"]
+
+
+def test_a_gpu_in_the_heads_mode_is_not_changed_for_a_job_behind_it() -> None:
+    """The head wants both SPX GPUs; one is busy, the other idle in SPX. A CPX job behind it would
+    have had the idle one changed to CPX, and a stream of them kept the head waiting for ever."""
+    policy = MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0)
+    node = AmdNode("MI300X:2", policy)
+    # alice ahead of bob by fairness, whatever each asks
+    node.sched = Scheduler(SchedulerConfig(mig=policy, fairness=FairnessConfig(weights={"alice": 10000, "bob": 1})))
+    node.pending[1] = pjob(1, "SPX", user="carol")
+    node.plan(0.0)
+    node.pending[2] = pjob(2, "SPX", gpus=2, user="alice")
+    node.pending[3] = pjob(3, "CPX", user="bob")
+    for t in (1.0, 2.0, 50.0):
+        assert not [a for a in node.plan(t) if isinstance(a, SetPartitionMode)]
+    assert node.mode_of(1) == "SPX"
+    node.active.clear()
+    node.plan(51.0)
+    assert 2 in node.active
+
+
+def test_an_interactive_partition_job_on_an_idle_node_is_not_held_up_by_its_own_headroom() -> None:
+    """The interactive headroom kept an idle CPX logical GPU, which pinned the only physical GPU:
+    an interactive `--partition spx` job never started on an idle node (a batch one did)."""
+    for job_class in ("batch", "interactive"):
+        node = AmdNode("MI300X:1@CPX", MigPolicy(min_idle_s=5.0, min_reconfig_interval_s=0.0))
+        j = pjob(1, "SPX")
+        node.pending[1] = j.model_copy(update={"spec": j.spec.model_copy(update={"job_class": job_class})})
+        for t in range(0, 60, 5):
+            node.plan(float(t))
+        assert 1 in node.active, job_class
+
+
+def test_no_change_leaves_fewer_logical_gpus_than_a_pending_whole_job_asks() -> None:
+    """`--gpus 16` was accepted on two CPX MI300X (16 logical GPUs); changing one to SPX for a
+    `--partition spx` job left 9, and the scheduler then failed the whole job as unsatisfiable."""
+    node = AmdNode("MI300X:2@CPX", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "CPX", user="carol")
+    node.plan(0.0)
+    node.pending[2] = pjob(2, "SPX")
+    whole = JobSpec(argv=["x"], cwd="/tmp", request=WholeRequest(gpus=16))
+    node.pending[3] = Job(id=3, uid=1000, gid=100, user="bob", spec=whole, state=JobState.PENDING, submitted_at=1.0)
+    for t in (1.0, 2.0, 3.0):
+        acts = node.plan(t)
+        assert not [a for a in acts if isinstance(a, (SetPartitionMode, FailJob))], acts
+    del node.pending[3]  # without it, the SPX job gets its GPU
+    assert [a.compute for a in node.plan(4.0) if isinstance(a, SetPartitionMode)] == ["SPX"]
+
+
+def test_a_memory_mode_change_waits_for_the_whole_node_to_be_idle() -> None:
+    """QPX/NPS4 -> SPX needs NPS1: the driver reloads, so every GPU of the node must be idle."""
+    node = AmdNode("MI300X:2@QPX/NPS4", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    node.pending[1] = pjob(1, "QPX")
+    node.plan(0.0)
+    node.pending[2] = pjob(2, "SPX", user="bob")
+    for t in (1.0, 10.0):
+        assert not [a for a in node.plan(t) if isinstance(a, SetPartitionMode)]
+    node.active.clear()
+    assert [(a.compute, a.memory) for a in node.plan(11.0) if isinstance(a, SetPartitionMode)] == [("SPX", "NPS1")]
+
+
+def test_a_running_job_on_a_device_the_inventory_does_not_list_stops_every_change() -> None:
+    """(After a restart of the simulator, which forgets modes, a job's logical GPU may be gone from
+    the inventory.) Nothing says which GPUs a change would renumber under it: none changes."""
+    node = AmdNode("MI300X:2", MigPolicy(min_idle_s=0.0, min_reconfig_interval_s=0.0))
+    ghost = Allocation(devices=[AllocatedDevice(uuid="gone-cpxnps1-3", gpu_index=3, kind="gpu")],
+                       compute_fraction=0.125)
+    node.active[9] = running(pjob(9, "CPX"), ghost)
+    node.pending[1] = pjob(1, "CPX")
+    for t in (0.0, 100.0):
+        assert not [a for a in node.plan(t) if isinstance(a, SetPartitionMode)]
+    del node.active[9]
+    assert [a.compute for a in node.plan(101.0) if isinstance(a, SetPartitionMode)] == ["CPX"]
+
+
+def test_partition_damping_survives_a_restart_and_a_reload() -> None:
+    """min_reconfig_interval_s counted from a change made before the restart (the saved record
+    holds `p<index>` beside MIG's GPU indices) and across a reload that rebuilds the scheduler."""
+    policy = MigPolicy(min_idle_s=5.0, min_reconfig_interval_s=3600.0)
+    node = AmdNode("MI300X:1", policy)
+    node.pending[1] = pjob(1, "CPX")
+    node.plan(0.0)
+    node.plan(5.0)
+    assert node.mode_of(0) == "CPX"
+    saved = node.sched.export_mig_damping()
+    assert saved == {"p0": 5.0}
+    for how in ("restart", "reload"):
+        fresh = Scheduler(SchedulerConfig(mig=policy))
+        if how == "restart":
+            fresh.load_mig_damping(saved)
+        else:
+            fresh.carry_over(node.sched)
+        other = AmdNode("MI300X:1", policy)
+        other.backend = node.backend
+        other.sched = fresh
+        other.pending[2] = pjob(2, "SPX", user="bob")
+        assert not [a for t in range(6, 600, 30) for a in other.plan(float(t)) if isinstance(a, SetPartitionMode)]
+        assert [a.compute for a in other.plan(3606.0) if isinstance(a, SetPartitionMode)] == ["SPX"], how
+        other.backend.set_partition_mode(0, "CPX", "NPS1")  # back, for the next case
+    fresh = Scheduler(SchedulerConfig(mig=policy))
+    fresh.load_mig_damping({"0": 1.0, "p1": 2.0, "px": 3.0, "p2": True})  # type: ignore[dict-item]
+    assert fresh.export_mig_damping() == {"0": 1.0, "p1": 2.0}
