@@ -71,3 +71,31 @@ def test_no_import_cycles() -> None:
 
 def test_a_cycle_would_be_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The house rule (ARCHITECTURE.md): a vendor library is imported by its door and its simulator only,
+# so nothing else can reach a real driver, and the simulator's parts get pynvml from SimNVML.
+VENDOR_IMPORTERS = {"pynvml": {"gpusched.gpu.nvml", "gpusched.gpu.simnvml"}, "amdsmi": {"gpusched.gpu.amdsmi"}}
+
+
+def vendor_imports() -> dict[str, set[str]]:
+    """Vendor library -> the gpusched modules that import it (anywhere in them, lazily too)."""
+    found: dict[str, set[str]] = {lib: set() for lib in VENDOR_IMPORTERS}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module.split(".")[0]]
+            else:
+                continue
+            for lib in found.keys() & set(names):
+                found[lib].add(_module_name(path))
+    return found
+
+
+def test_only_the_door_and_the_simulator_import_a_vendor_library() -> None:
+    found = vendor_imports()
+    for lib, allowed in VENDOR_IMPORTERS.items():
+        assert found[lib] <= allowed, f"{lib} imported by {sorted(found[lib] - allowed)}"
+    assert found["pynvml"] == VENDOR_IMPORTERS["pynvml"]  # (the walk does see them)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 MEMORY_SLICES = 8  # every MIG GPU we support has 8 memory slices and 7 compute slices
 COMPUTE_SLICES = 7
 
-# pynvml enum values, duplicated here (not imported) because only nvml.py/simnvml*.py may import pynvml.
+# pynvml enum values, duplicated here (not imported) because only nvml.py and simnvml.py may import pynvml.
 _GI_1 = 0x0  # NVML_GPU_INSTANCE_PROFILE_1_SLICE
 _GI_2 = 0x1  # NVML_GPU_INSTANCE_PROFILE_2_SLICE
 _GI_3 = 0x2  # NVML_GPU_INSTANCE_PROFILE_3_SLICE

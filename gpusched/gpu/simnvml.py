@@ -18,6 +18,8 @@ device handles), simnvml_events (event sets) and simnvml_hooks (test hooks).
 
 from __future__ import annotations
 
+import pynvml
+
 from gpusched.gpu.profiles import MEMORY_SLICES
 from gpusched.gpu.simnvml_ci import ComputeMixin
 from gpusched.gpu.simnvml_device import DeviceMixin
@@ -35,6 +37,7 @@ class SimNVML(ComputeMixin, HooksMixin, DeviceMixin, EventsMixin):
     """
 
     backend_name = "simnvml"
+    _nv = pynvml  # the simulator's one import of the vendor module; its parts reach it as self._nv
 
 
 __all__ = ["DEFAULT_DRIVER_VERSION", "MEMORY_SLICES", "NO_ID", "MiB", "SimNVML"]

@@ -6,21 +6,15 @@ import ctypes
 import uuid as uuidlib
 from typing import Any
 
-import pynvml
-
 from gpusched.gpu.simnvml_mig import MigMixin
 from gpusched.gpu.simnvml_state import (
-    _CI_1_SLICE_REV1,
     _CI_SPLITS,
-    _GI_1_SLICE_REV2,
     _MAX_CI_ID,
     _MAX_MIG_DEVICES,
     _SLICES_BY_CI_ENUM,
-    _SUCCESS,
     _api,
     _Ci,
     _ci_name,
-    _fail,
     _Gi,
     _MigDevice,
 )
@@ -32,15 +26,17 @@ class ComputeMixin(MigMixin):
     # ------------------------------------------------------------------ compute instances
 
     def _ci_slices(self, gi: _Gi, profile: int) -> int:
-        if not 0 <= profile < pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if profile == _CI_1_SLICE_REV1:
-            if gi.profile.enum == _GI_1_SLICE_REV2 and gi.gpu.model.hopper:
+        if not 0 <= profile < self._nv.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
+        # the full-size CI that Hopper-class GPUs also accept on 1-slice REV2 GIs (1g.20gb, 1g.35gb ...;
+        # NVIDIA/go-nvlib commit e85aa94). See GpuModel.hopper.
+        if profile == self._nv.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1:
+            if gi.profile.enum == self._nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 and gi.gpu.model.hopper:
                 return 1
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         slices = _SLICES_BY_CI_ENUM.get(profile)
         if slices is None or slices not in _CI_SPLITS.get(gi.profile.slices, ()):
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         return slices
 
     @_api
@@ -49,16 +45,16 @@ class ComputeMixin(MigMixin):
     ) -> Any:
         """`device` is the GPU *instance* handle despite pynvml's parameter name."""
         gi: _Gi = self._resolve(device, _Gi)
-        if engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if engProfile != self._nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         if version not in (1, 2):
-            _fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            self._fail(self._nv.NVML_ERROR_FUNCTION_NOT_FOUND)
         slices = self._ci_slices(gi, profile)
         p = gi.profile
         info = (
-            pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+            self._nv.c_nvmlComputeInstanceProfileInfo_v2_t()
             if version == 2
-            else pynvml.c_nvmlComputeInstanceProfileInfo_t()
+            else self._nv.c_nvmlComputeInstanceProfileInfo_t()
         )
         info.id = profile
         info.sliceCount = slices
@@ -93,7 +89,7 @@ class ComputeMixin(MigMixin):
         slices = self._ci_slices(gi, profileId)
         free = self._ci_free_starts(gi, slices)
         if not free:
-            _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            self._fail(self._nv.NVML_ERROR_INSUFFICIENT_RESOURCES)
         taken_idx = {ci.mig_index for ci in self._live_cis(gi.gpu)}
         mig_index = min(i for i in range(_MAX_MIG_DEVICES) if i not in taken_idx)
         ci = _Ci(
@@ -105,8 +101,8 @@ class ComputeMixin(MigMixin):
             uuid=f"MIG-{uuidlib.UUID(int=self._rng.getrandbits(128), version=4)}",
             mig_index=mig_index,
         )
-        ci.handle = self._new_handle(pynvml.struct_c_nvmlComputeInstance_t, ci)
-        ci.dev_handle = self._new_handle(pynvml.struct_c_nvmlDevice_t, _MigDevice(ci))
+        ci.handle = self._new_handle(self._nv.struct_c_nvmlComputeInstance_t, ci)
+        ci.dev_handle = self._new_handle(self._nv.struct_c_nvmlDevice_t, _MigDevice(ci))
         gi.cis[ci.id] = ci
         return ci.handle
 
@@ -115,10 +111,10 @@ class ComputeMixin(MigMixin):
         ci: _Ci = self._resolve(computeInstance, _Ci)
         self._need_privilege()
         if ci.holder is not None or any(p.ci is ci for p in self._processes.values()):
-            _fail(pynvml.NVML_ERROR_IN_USE)
+            self._fail(self._nv.NVML_ERROR_IN_USE)
         ci.alive = False
         del ci.gi.cis[ci.id]
-        return _SUCCESS
+        return int(self._nv.NVML_SUCCESS)
 
     @_api
     def nvmlGpuInstanceGetComputeInstances(
@@ -136,13 +132,13 @@ class ComputeMixin(MigMixin):
         self._need_privilege()
         ci = gi.cis.get(computeInstanceId)
         if ci is None:
-            _fail(pynvml.NVML_ERROR_NOT_FOUND)
+            self._fail(self._nv.NVML_ERROR_NOT_FOUND)
         return ci.handle
 
     @_api
     def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> Any:
         ci: _Ci = self._resolve(computeInstance, _Ci)
-        info = pynvml.c_nvmlComputeInstanceInfo_t()
+        info = self._nv.c_nvmlComputeInstanceInfo_t()
         info.device = ci.gi.gpu.handle
         info.gpuInstance = ci.gi.handle
         info.id = ci.id
@@ -168,18 +164,18 @@ class ComputeMixin(MigMixin):
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         gpu = self._gpu(device)
         if not gpu.mig_current:
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         if not 0 <= index < _MAX_MIG_DEVICES:
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         for ci in self._live_cis(gpu):
             if ci.mig_index == index:
                 return ci.dev_handle
-        _fail(pynvml.NVML_ERROR_NOT_FOUND)  # gaps are normal after destroys
+        self._fail(self._nv.NVML_ERROR_NOT_FOUND)  # gaps are normal after destroys
 
     def _mig(self, device: Any) -> _MigDevice:
         dev = self._device(device)
         if not isinstance(dev, _MigDevice):
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         return dev
 
     @_api
@@ -194,5 +190,5 @@ class ComputeMixin(MigMixin):
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
         dev = self._device(migDevice)
         if not isinstance(dev, _MigDevice):
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         return dev.ci.gi.gpu.handle

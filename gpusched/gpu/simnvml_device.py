@@ -7,15 +7,12 @@ import ctypes
 from collections.abc import Iterable
 from typing import Any
 
-import pynvml
-
 from gpusched.gpu.simnvml_state import (
     NO_ID,
     MiB,
     SimCore,
     _api,
     _ci_name,
-    _fail,
     _Gpu,
     _MigDevice,
 )
@@ -54,10 +51,10 @@ class DeviceMixin(SimCore):
     @_api
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         if not 0 <= index < len(self._gpus):
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         gpu = self._gpus[index]
         if gpu.lost:
-            _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            self._fail(self._nv.NVML_ERROR_GPU_IS_LOST)
         return gpu.handle
 
     @_api
@@ -66,14 +63,14 @@ class DeviceMixin(SimCore):
         for gpu in self._gpus:
             if gpu.uuid == text:
                 if gpu.lost:
-                    _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+                    self._fail(self._nv.NVML_ERROR_GPU_IS_LOST)
                 return gpu.handle
             for ci in self._live_cis(gpu):
                 if ci.uuid == text:
                     if gpu.lost:
-                        _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+                        self._fail(self._nv.NVML_ERROR_GPU_IS_LOST)
                     return ci.dev_handle
-        _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        self._fail(self._nv.NVML_ERROR_NOT_FOUND)
 
     @_api
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
@@ -111,11 +108,11 @@ class DeviceMixin(SimCore):
             total = gi.profile.memory_mib * MiB
             used = sum(p.used or 0 for p in self._processes.values() if p.ci is not None and p.ci.gi is gi)
         if version:
-            mem = pynvml.c_nvmlMemory_v2_t()
+            mem = self._nv.c_nvmlMemory_v2_t()
             mem.version = version
             mem.reserved = 0
         else:
-            mem = pynvml.c_nvmlMemory_t()
+            mem = self._nv.c_nvmlMemory_t()
         mem.total, mem.used, mem.free = total, used, total - used
         return mem
 
@@ -123,8 +120,8 @@ class DeviceMixin(SimCore):
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         dev = self._device(handle)
         if isinstance(dev, _MigDevice) or dev.mig_current:
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # "not currently supported" on MIG-enabled GPUs
-        util = pynvml.c_nvmlUtilization_t()
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)  # "not currently supported" on MIG-enabled GPUs
+        util = self._nv.c_nvmlUtilization_t()
         util.gpu, util.memory = dev.util_gpu, dev.util_memory
         return util
 
@@ -134,14 +131,14 @@ class DeviceMixin(SimCore):
 
     @_api
     def nvmlDeviceGetCpuAffinityWithinScope(self, handle: Any, cpuSetSize: int, scope: int) -> Any:
-        if scope not in (pynvml.NVML_AFFINITY_SCOPE_NODE, pynvml.NVML_AFFINITY_SCOPE_SOCKET):
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if scope not in (self._nv.NVML_AFFINITY_SCOPE_NODE, self._nv.NVML_AFFINITY_SCOPE_SOCKET):
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         return self._mask(self._gpu_of(self._device(handle)).cpus, cpuSetSize)
 
     @_api
     def nvmlDeviceGetMemoryAffinity(self, handle: Any, nodeSetSize: int, scope: int) -> Any:
-        if scope not in (pynvml.NVML_AFFINITY_SCOPE_NODE, pynvml.NVML_AFFINITY_SCOPE_SOCKET):
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if scope not in (self._nv.NVML_AFFINITY_SCOPE_NODE, self._nv.NVML_AFFINITY_SCOPE_SOCKET):
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         return self._mask((self._gpu_of(self._device(handle)).numa_node,), nodeSetSize)
 
     @staticmethod
@@ -155,7 +152,7 @@ class DeviceMixin(SimCore):
     @_api
     def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
         self._device(handle)
-        _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # only where GPUs are NUMA nodes (Grace); x86 says no
+        self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)  # only where GPUs are NUMA nodes (Grace); x86 says no
 
     # ------------------------------------------------------------------ processes
 
@@ -168,13 +165,13 @@ class DeviceMixin(SimCore):
             procs = [p for p in self._processes.values() if p.ci is dev.ci]
         out = []
         for p in sorted(procs, key=lambda p: p.pid):
-            info = pynvml.c_nvmlProcessInfo_v3_t()
+            info = self._nv.c_nvmlProcessInfo_v3_t()
             info.pid = p.pid
-            info.usedGpuMemory = p.used if p.used is not None else pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+            info.usedGpuMemory = p.used if p.used is not None else self._nv.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
             info.gpuInstanceId = p.ci.gi.id if p.ci is not None else NO_ID
             info.computeInstanceId = p.ci.id if p.ci is not None else NO_ID
-            obj = pynvml.nvmlStructToFriendlyObject(info)
-            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+            obj = self._nv.nvmlStructToFriendlyObject(info)
+            if obj.usedGpuMemory == self._nv.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
                 obj.usedGpuMemory = None
             out.append(obj)
         return out

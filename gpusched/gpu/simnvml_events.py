@@ -5,14 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pynvml
-
 from gpusched.gpu.simnvml_state import (
-    _SUPPORTED_EVENTS,
     SimCore,
     _api,
     _EventSet,
-    _fail,
     _handle_addr,
     _MigDevice,
 )
@@ -26,7 +22,7 @@ class EventsMixin(SimCore):
     @_api
     def nvmlEventSetCreate(self) -> Any:
         es = _EventSet()
-        es.handle = self._new_handle(pynvml.struct_c_nvmlEventSet_t, es)
+        es.handle = self._new_handle(self._nv.struct_c_nvmlEventSet_t, es)
         self._event_sets.append(es)
         return es.handle
 
@@ -34,22 +30,22 @@ class EventsMixin(SimCore):
         addr = _handle_addr(handle)
         es = self._objs.get(addr) if addr is not None else None
         if not isinstance(es, _EventSet) or not es.alive:
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         return es
 
     @_api
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
         self._gpu(handle)
-        return _SUPPORTED_EVENTS
+        return self._supported_events()
 
     @_api
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
         dev = self._device(handle)
         if isinstance(dev, _MigDevice):
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # events are registered on the parent GPU only
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)  # events are registered on the parent GPU only
         es = self._event_set(eventSet)
-        if eventTypes & ~_SUPPORTED_EVENTS:
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if eventTypes & ~self._supported_events():
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         es.masks[dev.index] = es.masks.get(dev.index, 0) | eventTypes
 
     @_api
@@ -59,13 +55,13 @@ class EventsMixin(SimCore):
         deadline = time.monotonic() + max(0, timeoutms) / 1000.0
         while True:
             if not es.alive:
-                _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+                self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
             if es.lost:
                 es.lost.popleft()
-                _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+                self._fail(self._nv.NVML_ERROR_GPU_IS_LOST)
             if es.queue:
                 gpu, etype, edata, gi_id, ci_id = es.queue.popleft()
-                data = pynvml.c_nvmlEventData_t()
+                data = self._nv.c_nvmlEventData_t()
                 data.device = gpu.handle
                 data.eventType = etype
                 data.eventData = edata
@@ -74,7 +70,7 @@ class EventsMixin(SimCore):
                 return data
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                _fail(pynvml.NVML_ERROR_TIMEOUT)
+                self._fail(self._nv.NVML_ERROR_TIMEOUT)
             self._cond.wait(remaining)
 
     nvmlEventSetWait = nvmlEventSetWait_v2

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 
-import pynvml
-
 from gpusched.gpu.simnvml_mig import MigMixin
 from gpusched.gpu.simnvml_state import (
     NO_ID,
     MiB,
     _Ci,
-    _fail,
     _Gi,
     _Gpu,
     _Process,
@@ -69,9 +66,9 @@ class HooksMixin(MigMixin):
             if not self._privileged and (gi is not None or ci is not None):
                 return
             for es in self._event_sets:
-                if es.masks.get(gpu_index, 0) & pynvml.nvmlEventTypeXidCriticalError:
+                if es.masks.get(gpu_index, 0) & self._nv.nvmlEventTypeXidCriticalError:
                     es.queue.append(
-                        (gpu, pynvml.nvmlEventTypeXidCriticalError, xid,
+                        (gpu, self._nv.nvmlEventTypeXidCriticalError, xid,
                          NO_ID if gi is None else gi, NO_ID if ci is None else ci)
                     )
             self._cond.notify_all()
@@ -91,7 +88,7 @@ class HooksMixin(MigMixin):
         with self._lock:
             gpu = self._gpus[index]
             if any(p.gpu is gpu for p in self._processes.values()):
-                _fail(pynvml.NVML_ERROR_IN_USE)
+                self._fail(self._nv.NVML_ERROR_IN_USE)
             self._reset(gpu)
 
     def fail_next(self, function: str, code: int, times: int = 1) -> None:

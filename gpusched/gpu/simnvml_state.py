@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, NoReturn, ParamSpec, Self, TypeVar
 
-import pynvml
-
 from gpusched.gpu.profiles import (
     CI_ENUM_BY_SLICES,
     COMPUTE_SLICES,
@@ -34,13 +32,6 @@ from gpusched.gpu.profiles import (
 MiB = 1024 * 1024
 NO_ID = 0xFFFFFFFF  # gi/ci id of processes and events that are not scoped to a MIG instance
 DEFAULT_DRIVER_VERSION = "550.90.07"  # first R550 release that supports MIG on H200
-_SUCCESS = int(pynvml.NVML_SUCCESS)
-_SUPPORTED_EVENTS = int(
-    pynvml.nvmlEventTypeXidCriticalError
-    | pynvml.nvmlEventTypeSingleBitEccError
-    | pynvml.nvmlEventTypeDoubleBitEccError
-    | pynvml.nvmlEventTypePState
-)
 # Default placement heuristic of the driver when no placement is given (reference §1.3, observed on
 # A100/H100): 1g fills 6,4,5 then ascends; the first 2g/3g goes to start 4. The later 2g order and the
 # 1g.20gb order are not published: we continue "4 first, then ascending".
@@ -56,10 +47,6 @@ _DEFAULT_ORDER: dict[int, tuple[int, ...]] = {
 # Compute-instance splits per GI size (go-nvml's A100 mock): CI slices allowed inside a GI of N slices.
 _CI_SPLITS: dict[int, tuple[int, ...]] = {1: (1,), 2: (1, 2), 3: (1, 2, 3), 4: (1, 2, 4), 7: (1, 2, 3, 4, 7)}
 _SLICES_BY_CI_ENUM = {v: k for k, v in CI_ENUM_BY_SLICES.items()}
-# NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1 (pynvml): the full-size CI that Hopper-class GPUs also accept
-# on 1-slice REV2 GIs (1g.20gb, 1g.35gb ...; NVIDIA/go-nvlib commit e85aa94). See GpuModel.hopper.
-_CI_1_SLICE_REV1 = int(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1)
-_GI_1_SLICE_REV2 = int(pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2)
 _MAX_GI_ID = 14
 _MAX_CI_ID = 7
 _MAX_MIG_DEVICES = COMPUTE_SLICES
@@ -70,24 +57,19 @@ T = TypeVar("T")
 S = TypeVar("S", bound="SimCore")
 
 
-def _fail(code: int) -> NoReturn:
-    """Raise exactly what pynvml raises for `code` (the per-code NVMLError subclass)."""
-    raise pynvml.NVMLError(code)
-
-
 def _api(fn: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Serialise a call on the simulator's lock and refuse it before nvmlInit, like the library."""
 
     def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
             if self._init_count == 0:
-                _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+                self._fail(self._nv.NVML_ERROR_UNINITIALIZED)
             fault = self._faults.get(fn.__name__)
             if fault:
                 code = fault.popleft()
                 if not fault:
                     del self._faults[fn.__name__]
-                _fail(code)
+                self._fail(code)
             return fn(self, *args, **kwargs)
 
     functools.update_wrapper(wrapper, fn)
@@ -183,7 +165,14 @@ class _EventSet:
 
 
 class SimCore:
-    """The simulator's state, its handles and its pynvml passthrough; the API lives in the mixins."""
+    """The simulator's state, its handles and its pynvml passthrough; the API lives in the mixins.
+
+    `_nv` is the pynvml module. Only gpu/nvml.py and simnvml.py import it (the house rule); the
+    parts reach it through here, set on `SimNVML`, so they raise pynvml's own exception classes and
+    fill pynvml's own ctypes structs without importing the vendor module themselves.
+    """
+
+    _nv: Any
 
     def __init__(
         self,
@@ -219,7 +208,7 @@ class SimCore:
                 numa_node=node,
                 cpus=tuple(range(node * per_node, (node + 1) * per_node)),
             )
-            gpu.handle = self._new_handle(pynvml.struct_c_nvmlDevice_t, gpu)
+            gpu.handle = self._new_handle(self._nv.struct_c_nvmlDevice_t, gpu)
             self._gpus.append(gpu)
 
     @classmethod
@@ -244,6 +233,16 @@ class SimCore:
             raise ValueError(f"empty simulated GPU spec; valid models: {', '.join(MODEL_KEYS)}")
         return cls(models, **kwargs)
 
+    def _fail(self, code: int) -> NoReturn:
+        """Raise exactly what pynvml raises for `code` (the per-code NVMLError subclass)."""
+        raise self._nv.NVMLError(code)
+
+    def _supported_events(self) -> int:
+        """The event types the simulator can deliver (nvmlDeviceGetSupportedEventTypes)."""
+        nv = self._nv
+        return int(nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeSingleBitEccError
+                   | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypePState)
+
     # ------------------------------------------------------------------ pynvml passthrough
 
     def __getattr__(self, name: str) -> Any:
@@ -252,7 +251,9 @@ class SimCore:
         NVML *functions* we do not simulate raise AttributeError instead of silently reaching
         for a real driver.
         """
-        value = getattr(pynvml, name)
+        if name == "_nv":  # a core with no module set (only SimNVML sets it): no endless recursion
+            raise AttributeError("_nv: the pynvml module is set by simnvml.SimNVML")
+        value = getattr(self._nv, name)
         if name.startswith("nvml") and callable(value) and not isinstance(value, type):
             raise AttributeError(f"simnvml does not simulate {name}")
         return value
@@ -269,11 +270,11 @@ class SimCore:
         addr = _handle_addr(handle)
         obj = self._objs.get(addr) if addr is not None else None
         if obj is None or not isinstance(obj, kinds):
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)
         if self._gpu_of(obj).lost:
-            _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            self._fail(self._nv.NVML_ERROR_GPU_IS_LOST)
         if not obj.alive:
-            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # stale handle: the instance was destroyed
+            self._fail(self._nv.NVML_ERROR_INVALID_ARGUMENT)  # stale handle: the instance was destroyed
         return obj
 
     @staticmethod
@@ -300,7 +301,7 @@ class SimCore:
         """A parent GPU handle with MIG enabled (profile/instance calls are NOT_SUPPORTED otherwise)."""
         dev = self._device(handle)
         if isinstance(dev, _MigDevice) or not dev.mig_current:
-            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            self._fail(self._nv.NVML_ERROR_NOT_SUPPORTED)
         return dev
 
     def _need_privilege(self) -> None:
@@ -308,7 +309,7 @@ class SimCore:
         GetGpuInstanceRemainingCapacity, GetGpuInstances, GetGpuInstanceById, GetComputeInstances,
         GetComputeInstanceById, GetComputeInstanceRemainingCapacity (nvml.h as vendored in NVIDIA/go-nvml)."""
         if not self._privileged:
-            _fail(pynvml.NVML_ERROR_NO_PERMISSION)
+            self._fail(self._nv.NVML_ERROR_NO_PERMISSION)
 
     @staticmethod
     def _live_cis(gpu: _Gpu) -> list[_Ci]:
