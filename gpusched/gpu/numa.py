@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import os
 
+from gpusched.indexlist import parse_index_list
+
 NODE_ROOT = "/sys/devices/system/node"
 _MAX_LIST_BYTES = 64 * 1024  # a cpulist of 4,096 CPUs written one by one is about 20 KiB
-_MAX_CPU = 1 << 16
+_MAX_CPUS = 1 << 16  # Linux's NR_CPUS tops out at 8192; room to spare
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """`0-2,5` -> (0, 1, 2, 5); ValueError naming the bad part (an empty list is empty)."""
-    cpus: set[int] = set()
-    for part in (p.strip() for p in text.strip().split(",")):
-        if not part:
-            continue
-        first, sep, last = part.partition("-")
-        try:
-            lo, hi = int(first), int(last) if sep else int(first)
-        except ValueError:
-            raise ValueError(f"cpu list: {part!r} is not a CPU number or a range") from None
-        if not 0 <= lo <= hi < _MAX_CPU:
-            raise ValueError(f"cpu list: {part!r} is not a range of CPUs 0..{_MAX_CPU - 1}")
-        cpus.update(range(lo, hi + 1))
-    return tuple(sorted(cpus))
+    """`0-2,5` -> (0, 1, 2, 5), sorted and without repeats; ValueError naming the bad part (an
+    empty list is empty)."""
+    cpus = sorted(set(parse_index_list(text, "cpulist", _MAX_CPUS)))
+    if cpus and cpus[-1] >= _MAX_CPUS:
+        raise ValueError(f"cpulist: CPU {cpus[-1]} is not one of 0..{_MAX_CPUS - 1}")
+    return tuple(cpus)
 
 
 def sysfs_node_cpus(node: int, root: str = NODE_ROOT) -> tuple[int, ...]:

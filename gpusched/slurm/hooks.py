@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpusched.indexlist import parse_index_list
 from gpusched.slurm.gresconf import GresDevice, load_map
 
 _JOB_ID = re.compile(r"^[0-9]+$")
@@ -58,20 +59,7 @@ MAX_GRES_INDICES = 1024  # a node's GRES devices (MIG instances included) number
 
 def parse_indices(text: str) -> list[int]:
     """SLURM_JOB_GPUS: `0,2` or ranges `0-2,5`; ValueError naming the bad part."""
-    out: list[int] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        lo, dash, hi = part.partition("-")
-        if not lo.isdecimal() or (dash and not hi.isdecimal()):
-            raise ValueError(f"SLURM_JOB_GPUS: {part!r} is not an index or a range")
-        if dash and (int(hi) < int(lo) or int(hi) - int(lo) >= MAX_GRES_INDICES):
-            # (an empty range would leave the job no CUDA_VISIBLE_DEVICES: every GPU of the node)
-            raise ValueError(f"SLURM_JOB_GPUS: {part!r} is not a range of at most {MAX_GRES_INDICES} indices")
-        out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
-        if len(out) > MAX_GRES_INDICES:
-            raise ValueError(f"SLURM_JOB_GPUS: more than {MAX_GRES_INDICES} indices")
-    return out
+    return parse_index_list(text, "SLURM_JOB_GPUS", MAX_GRES_INDICES)
 
 
 def wants_mps(chosen: list[GresDevice]) -> bool:

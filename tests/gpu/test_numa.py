@@ -24,7 +24,8 @@ def test_parse_cpu_list(text: str, cpus: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize(("text", "part"), [("0-x", "'0-x'"), ("4-2", "'4-2'"), ("-1", "'-1'"),
-                                            ("0-99999999", "'0-99999999'")])
+                                            ("0-99999999", "'0-99999999'"), ("100000", "CPU 100000"),
+                                            ("1_0", "'1_0'")])
 def test_parse_cpu_list_names_the_bad_part(text: str, part: str) -> None:
     with pytest.raises(ValueError, match=part):
         parse_cpu_list(text)
