@@ -154,6 +154,11 @@ def plan_partitions(
     return changes
 
 
+def logical_in_mode(phys: Sequence[Physical], mode: str, blocked: AbstractSet[str]) -> int:
+    """Logical GPUs the node has in `mode`, busy or not, leaving out physical GPUs `blocked` holds."""
+    return sum(len(p.uuids) for p in phys if p.compute == mode and not any(u in blocked for u in p.uuids))
+
+
 def claim_for_head(phys: Sequence[Physical], mode: str, gpus: int, *, blocked: AbstractSet[str]) -> frozenset[str]:
     """The logical GPUs backfill must leave alone so that a blocked `--partition` head whose mode
     the node lacks gets it: else each logical GPU that frees is refilled in the same pass and the
@@ -164,8 +169,7 @@ def claim_for_head(phys: Sequence[Physical], mode: str, gpus: int, *, blocked: A
     from the first one taken to the end, or, when a taken GPU must change its memory mode too, the
     whole node. Empty when the node has enough of the mode already (the head waits for jobs to
     end) or cannot make enough (a drained or configured GPU is in the way)."""
-    have = sum(len(p.uuids) for p in phys if p.compute == mode and not any(u in blocked for u in p.uuids))
-    need = gpus - have
+    need = gpus - logical_in_mode(phys, mode, blocked)
     if need <= 0:
         return frozenset()
     first: int | None = None

@@ -118,7 +118,8 @@ class RunQueue:
         """The most whole GPUs a pending `--gpus N` job asks for (0 with none)."""
         return max(self._whole_sizes, default=0)
 
-    def _count_partition(self, job: Job, sign: int) -> None:
+    def _count_demand(self, job: Job, sign: int) -> None:
+        """Keep `partition_demand` and `largest_whole` as a job comes (+1) or goes (-1)."""
         req = job.spec.request
         if isinstance(req, PartitionRequest):
             left = self._partition_demand.get(req.mode, 0) + sign * req.gpus
@@ -152,7 +153,7 @@ class RunQueue:
         if job.id in self._jobs:
             self.remove(job.id)
         self._jobs[job.id] = job
-        self._count_partition(job, 1)
+        self._count_demand(job, 1)
         key = job_key(job, self._expected_of(job))
         self._keys[job.id] = key
         uq = self._users.get(job.user)
@@ -173,7 +174,7 @@ class RunQueue:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
-        self._count_partition(job, -1)
+        self._count_demand(job, -1)
         uq = self._users[job.user]
         key = self._keys.pop(job_id)
         was_head = uq.jobs[0] == key

@@ -15,7 +15,14 @@ from gpusched.core.actions import (
     busy_uuids,
 )
 from gpusched.core.migplan import MigPolicy, plan_dynamic
-from gpusched.core.partplan import HeadNeed, claim_for_head, physical_gpus, plan_partitions, track_idle
+from gpusched.core.partplan import (
+    HeadNeed,
+    claim_for_head,
+    logical_in_mode,
+    physical_gpus,
+    plan_partitions,
+    track_idle,
+)
 from gpusched.core.placement import Cluster
 from gpusched.core.sched_sync import SyncMixin
 from gpusched.gpu.backend import Gpu
@@ -165,9 +172,7 @@ class MigMixin(SyncMixin):
         need: HeadNeed | None = None
         pins = self._partition_pins(snapshot)
         if isinstance(head_req, PartitionRequest):
-            have = sum(len(p.uuids) for p in phys if p.compute == head_req.mode
-                       and not any(u in pins for u in p.uuids))
-            need = HeadNeed(head_req.mode, have < head_req.gpus)
+            need = HeadNeed(head_req.mode, logical_in_mode(phys, head_req.mode, pins) < head_req.gpus)
         order = sorted(wanted, key=lambda m: (need is None or need.mode != m, -wanted[m], m))
         changes = plan_partitions(phys, wanted, order, busy=busy, blocked=pins, idle_since=self._part_idle_since,
                                   last_reconfig=self._part_last_reconfig, now=now, policy=self.config.mig,
