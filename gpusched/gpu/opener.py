@@ -35,22 +35,30 @@ def models_of_spec(spec: str) -> list[str]:
     return [part.strip().partition("@")[0].partition(":")[0].strip() for part in spec.split(",") if part.strip()]
 
 
+def mixed_vendors(models: list[str]) -> str | None:
+    """Why a node of these models cannot be (`mixes NVIDIA (..) and AMD (..) models; ...`), or None
+    when they are one vendor's. Used by `--sim` here and by replay's `--gpus`."""
+    amd = [m for m in dict.fromkeys(models) if m in AMD_MODEL_KEYS]
+    nvidia = [m for m in dict.fromkeys(models) if m not in AMD_MODEL_KEYS]
+    if amd and nvidia:
+        return (f"mixes NVIDIA ({', '.join(nvidia)}) and AMD ({', '.join(amd)}) models; a node runs one GPU "
+                "backend")
+    return None
+
+
 def vendor_of_spec(spec: str) -> str:
     """The one vendor a `--sim` / `--gpus` spec names. ValueError for a spec that mixes NVIDIA and
     AMD models (one node runs one backend) or names a model neither table knows."""
-    vendors: dict[str, list[str]] = {}
-    for model in models_of_spec(spec):
-        vendor = vendor_of_model(model)
-        if vendor is None:
+    models = models_of_spec(spec)
+    for model in models:
+        if vendor_of_model(model) is None:
             raise ValueError(f"unknown GPU model {model!r}; valid models: {', '.join(MODEL_KEYS + AMD_MODEL_KEYS)}")
-        vendors.setdefault(vendor, []).append(model)
-    if len(vendors) > 1:
-        raise ValueError(f"{spec!r} mixes NVIDIA ({', '.join(dict.fromkeys(vendors['nvidia']))}) and AMD "
-                         f"({', '.join(dict.fromkeys(vendors['amd']))}) models; a node runs one GPU backend, "
-                         "so simulate one vendor at a time")
-    if not vendors:
+    mixed = mixed_vendors(models)
+    if mixed is not None:
+        raise ValueError(f"{spec!r} {mixed}, so simulate one vendor at a time")
+    if not models:
         raise ValueError("empty simulated GPU spec; e.g. H100-80GB:2 or MI300X:2")
-    return next(iter(vendors))
+    return "amd" if models[0] in AMD_MODEL_KEYS else "nvidia"
 
 
 def open_gpu(sim_spec: str | None) -> tuple[GpuBackend, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpusched.gpu.amd_profiles import AMD_MODELS
+from gpusched.gpu.opener import mixed_vendors
 from gpusched.gpu.profiles import MODELS, get_model
 from gpusched.replay.replayconfig import ReplayConfigError
 
@@ -45,11 +46,9 @@ def check_model(name: str) -> None:
 
 def check_one_vendor(spec: str, models: Sequence[str]) -> None:
     """A node runs one backend: a `--gpus` spec mixing NVIDIA and AMD models is refused."""
-    amd = sorted({m for m in models if m in AMD_MODELS})
-    nvidia = sorted({m for m in models if m not in AMD_MODELS})
-    if amd and nvidia:
-        raise ValueError(f"--gpus {spec!r} mixes NVIDIA ({', '.join(nvidia)}) and AMD ({', '.join(amd)}) models; "
-                         "a node runs one GPU backend, so replay one vendor at a time")
+    mixed = mixed_vendors(list(models))
+    if mixed is not None:
+        raise ValueError(f"--gpus {spec!r} {mixed}, so replay one vendor at a time")
 
 
 def gpu_memory_mib(model: str) -> int:
