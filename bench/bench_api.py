@@ -84,22 +84,33 @@ def sqlite_floor(directory: str, n: int) -> float:
                 os.remove(path + suffix)
 
 
-def throughput(d: h.DaemonProc, sizes: Sizes) -> tuple[dict[int, float], dict[int, float]]:
-    """Submits/s per client count, and the daemon's CPU per submit in microseconds (utime+stime over
-    the phase: what the ratio to the floor is made of when the daemon is the busy side). Jobs queue
-    behind a blocker, so no job process competes for CPU; each phase's jobs are cancelled afterwards
-    (outside the CPU reading) so every phase starts with an empty queue."""
-    rates: dict[int, float] = {}
-    cpu_us: dict[int, float] = {}
+@dataclass
+class Throughput:
+    rates: dict[int, float]  # submits/s per client count
+    cpu_us: dict[int, float]  # the daemon's CPU per submit
+    per_fsync: dict[int, float]  # submits one COMMIT (one fsync) made durable, on average
+
+
+def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
+    """Submits/s per client count, the daemon's CPU per submit in microseconds (utime+stime over the
+    phase: what the ratio to the floor is made of when the daemon is the busy side), and submits per
+    COMMIT from the daemon's own counters (group commit at work). Jobs queue behind a blocker, so no
+    job process competes for CPU; each phase's jobs are cancelled afterwards (outside the CPU
+    reading) so every phase starts with an empty queue."""
+    out = Throughput({}, {}, {})
     job = h.spec(["true"], gpus=1)
     for clients in sizes.clients:
+        commits = d.metrics_counter("gpusched_group_commits_total")
+        writes = d.metrics_counter("gpusched_group_commit_writes_total")
         before = h.cpu_seconds(d.pid)
         elapsed, ids = h.submit_concurrently(d.socket, job, sizes.submits, clients)
-        cpu_us[clients] = 1e6 * (h.cpu_seconds(d.pid) - before) / sizes.submits
-        rates[clients] = sizes.submits / elapsed
+        out.cpu_us[clients] = 1e6 * (h.cpu_seconds(d.pid) - before) / sizes.submits
+        out.rates[clients] = sizes.submits / elapsed
+        out.per_fsync[clients] = ((d.metrics_counter("gpusched_group_commit_writes_total") - writes)
+                                  / (d.metrics_counter("gpusched_group_commits_total") - commits))
         with Client(d.socket, timeout=120) as c:
             h.cancel_all(c, ids)
-    return rates, cpu_us
+    return out
 
 
 @dataclass
@@ -185,15 +196,17 @@ def block_all_gpus(d: h.DaemonProc) -> int:
         return h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))
 
 
-def report(floors: tuple[float, float], rates: dict[int, float], cpu_us: dict[int, float], lats: dict[str, Latency],
+def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latency],
            cli: dict[str, list[float]], arr: ArrayTimes, sizes: Sizes) -> None:
     floor = (floors[0] + floors[1]) / 2
+    rates, cpu_us = tput.rates, tput.cpu_us
     print("submit throughput (durable acks over the socket; jobs stay pending behind a blocker)")
-    table = h.Table(["what", "per second", "ms each", "x the floor", "daemon CPU us each"])
+    table = h.Table(["what", "per second", "ms each", "x the floor", "daemon CPU us each", "submits per fsync"])
     table.add(f"SQLite INSERT+COMMIT, WAL, synchronous=FULL (floor; {floors[0]:.0f} before, {floors[1]:.0f} after)",
-              floor, 1000 / floor, 1.0, "-")
+              floor, 1000 / floor, 1.0, "-", 1)
     for clients, rate in rates.items():
-        table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu_us[clients])
+        table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu_us[clients],
+                  tput.per_fsync[clients])
     print(table.render())
     print()
     print(f"job array of {sizes.array_tasks} tasks ({len(arr.ack)} runs; accepted = committed, one transaction)")
@@ -224,7 +237,8 @@ def report(floors: tuple[float, float], rates: dict[int, float], cpu_us: dict[in
     print("ratios:")
     for clients, rate in rates.items():
         print(f"  submit throughput, {clients} clients: {rate:.0f}/s = single-commit floor ({floor:.0f}/s) "
-              f"x {rate / floor:.2f}; the daemon's CPU {cpu_us[clients]:.0f} us per submit")
+              f"x {rate / floor:.2f}; the daemon's CPU {cpu_us[clients]:.0f} us per submit, "
+              f"{tput.per_fsync[clients]:.1f} submits per fsync")
     print(f"  --array 1-{sizes.array_tasks} accepted in {1000 * h.median(arr.ack):.0f} ms p50 over the socket, "
           f"{1000 * h.median(arr.cli):.0f} ms as a whole `gpusched submit` process (goal <= 1000 ms)")
     for name, pick in (("p50", h.median), ("p99", lambda v: h.percentile(v, 99))):
@@ -242,7 +256,7 @@ def main() -> int:
     sizes = QUICK if args.quick else FULL
 
     print(h.machine_line())
-    d = h.DaemonProc(h.short_tmpdir("gba-"))  # launcher = "forkserver", the default
+    d = h.DaemonProc(h.short_tmpdir("gba-"), extra_config=h.METRICS)  # launcher = "forkserver", the default
     spawn = h.DaemonProc(h.short_tmpdir("gbs-"), extra_config='launcher = "spawn"\n')  # the baseline launcher
     try:
         d.start()
@@ -252,12 +266,12 @@ def main() -> int:
         spawn.cleanup()  # done with it: it must not take CPU from the throughput phases
         block_all_gpus(d)  # cleanup() kills it with the daemon
         before = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
-        rates, cpu_us = throughput(d, sizes)
+        tput = throughput(d, sizes)
         after = sqlite_floor(d.state_dir, sizes.submits)
         arr = arrays(d, sizes)
         cli = cli_times(d, sizes.cli_runs)
         print()
-        report((before, after), rates, cpu_us, lats, cli, arr, sizes)
+        report((before, after), tput, lats, cli, arr, sizes)
         return 0
     finally:
         spawn.cleanup()

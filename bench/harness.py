@@ -8,6 +8,7 @@ Scripts import this as `harness` (the script's folder is first on sys.path when 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -15,9 +16,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpusched.daemon.executor import kill_recorded_jobs
 from gpusched.model import JobSpec, WholeRequest
@@ -38,6 +42,7 @@ T = TypeVar("T")
 CONFIG = ('allow_root_jobs = true\ncgroup_root = "off"\n'
           "max_pending_per_user = 1000000\nsubmit_rate_per_user = 1000000.0\n")
 SIM = "H100-80GB:8"
+METRICS = 'metrics_address = "127.0.0.1:0"\n'  # extra_config for DaemonProc.metrics_counter
 JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 
 
@@ -100,6 +105,21 @@ class DaemonProc:
         log.close()
         wait_until(self._answers, timeout, what=f"gpuschedd on {self.socket}")
         return time.perf_counter() - t0
+
+    def metrics_counter(self, name: str) -> float:
+        """A counter of the daemon's metrics endpoint (started with `extra_config=METRICS`), by its
+        full name (`..._total`); the port is the one the daemon logged, as it picks a free one."""
+        with open(os.path.join(self.base, "daemon.log"), errors="replace") as f:
+            found = re.findall(r"serving Prometheus metrics on http://([^/\s]+)/metrics", f.read())
+        if not found:
+            raise RuntimeError("the daemon serves no metrics: start it with extra_config=METRICS")
+        with urllib.request.urlopen(f"http://{found[-1]}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return float(sample.value)
+        raise KeyError(f"no series {name} in the daemon's metrics")
 
     def _answers(self) -> bool:
         assert self.proc is not None

@@ -76,6 +76,12 @@ class EngineCollector:
 
         yield CounterMetricFamily("gpusched_scheduler_passes", "Scheduling passes since the daemon started.",
                                   value=float(engine.passes))
+        # Their ratio is how many submits one fsync made durable (group commit, daemon/groupcommit.py).
+        yield CounterMetricFamily("gpusched_group_commits", "COMMITs (each one fsync) that made submits durable.",
+                                  value=float(engine.commits.commits))
+        yield CounterMetricFamily("gpusched_group_commit_writes",
+                                  "Submits (a job, or an array with its tasks) those COMMITs made durable.",
+                                  value=float(engine.commits.writes))
 
         yield from self._users(jobs)
         yield from self._devices(jobs)

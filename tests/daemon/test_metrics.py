@@ -133,6 +133,24 @@ def test_engine_hooks_show_up_as_counters(daemon_factory: Callable[..., DaemonHa
     assert value(samples, "gpusched_scheduler_pass_seconds_bucket", le="0.0025") >= 1.0
 
 
+def test_group_commits_count_the_fsyncs_and_the_submits_they_made_durable(
+        daemon_factory: Callable[..., DaemonHandle]) -> None:
+    daemon: DaemonHandle = daemon_factory(metrics_address="127.0.0.1:0")
+    port = port_of(daemon)
+    idle = scrape(port)
+    assert value(idle, "gpusched_group_commits_total") == 0.0
+    assert value(idle, "gpusched_group_commit_writes_total") == 0.0
+    with daemon.client() as c:
+        for _ in range(3):  # one at a time: each waits for its own COMMIT
+            submit(c, "sleep", "30", gpus=2)
+        spec = JobSpec(argv=["true"], cwd=os.getcwd(), env={"PATH": os.environ["PATH"]}, request=WholeRequest(gpus=1))
+        made = c.call(SubmitRequest(spec=spec, array="1-5"), SubmitResult)  # one write, however many tasks
+        assert made.tasks == 5
+    after = scrape(port)
+    assert value(after, "gpusched_group_commits_total") == 4.0
+    assert value(after, "gpusched_group_commit_writes_total") == 4.0
+
+
 def test_http_details(daemon_factory: Callable[..., DaemonHandle]) -> None:
     daemon: DaemonHandle = daemon_factory(metrics_address="127.0.0.1:0")
     port = port_of(daemon)
