@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from sortedcontainers import SortedList
 
@@ -31,8 +32,20 @@ from gpusched.core.fairshare import NICE0_WEIGHT, FairShare
 from gpusched.gpu.amd_profiles import PARTITIONS_PER_MODE
 from gpusched.model import Job, MigRequest, PartitionRequest, ShareRequest, WholeRequest
 
-JobKey = tuple[int, float, float, int]  # (nice, submitted_at + expected run time, expected run time, id)
+# (nice, submitted_at + expected run time, expected run time, id); the id is the job's own int
+# object (`shared_id`), which a key of every queued job would otherwise hold a copy of.
+JobKey = tuple[int, float, float, Any]
 UserKey = tuple[float, str]  # (virtual deadline, user)
+
+
+def shared_id(job: Job) -> Any:
+    """`job.id` as the int object the job holds, for a table that keeps one entry per job.
+
+    Compiled (gpusched/native.py), `job.id` is read into a machine integer, and each table that
+    stores it boxes it again: a new int object per table per queued job (about 15 MiB of RSS at 100k
+    queued jobs, docs/benchmarks.md). Read from the model's own fields it stays one object, as it
+    is when this module runs as Python."""
+    return job.__dict__["id"]
 
 
 def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
@@ -43,7 +56,7 @@ def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
     first served, so a long job is never starved by a stream of shorter ones submitted after it
     (once newer jobs' submission times pass its key, they all sort behind it).
     """
-    return (job.spec.nice, job.submitted_at + expected_s, expected_s, job.id)
+    return (job.spec.nice, job.submitted_at + expected_s, expected_s, shared_id(job))
 
 
 def request_fraction(request: WholeRequest | MigRequest | ShareRequest | PartitionRequest,
@@ -150,12 +163,13 @@ class RunQueue:
 
     def submit(self, job: Job) -> None:
         """Add a pending job (idempotent: a job already held is replaced)."""
-        if job.id in self._jobs:
-            self.remove(job.id)
-        self._jobs[job.id] = job
+        job_id = shared_id(job)
+        if job_id in self._jobs:
+            self.remove(job_id)
+        self._jobs[job_id] = job
         self._count_demand(job, 1)
         key = job_key(job, self._expected_of(job))
-        self._keys[job.id] = key
+        self._keys[job_id] = key
         uq = self._users.get(job.user)
         if uq is None:
             uq = _UserQueue(SortedList())

@@ -36,7 +36,7 @@ from gpusched.core.fifo import FifoScheduler, schedulable_devices
 from gpusched.core.interactive import InteractiveDemand
 from gpusched.core.placement import Cluster
 from gpusched.core.preempt import LossBudget
-from gpusched.core.queue import RunQueue, request_fraction
+from gpusched.core.queue import RunQueue, request_fraction, shared_id
 from gpusched.core.sched_core import (
     Candidate,
     FailMemo,
@@ -180,8 +180,9 @@ class Scheduler(PersistMixin):
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""
         if job.id in self._failed:
             return
+        job_id = shared_id(job)  # the job's own int object: one entry per queued job (queue.shared_id)
         if self._shape is None:  # node not seen yet: the first plan checks every queued job
-            self._pending_since.setdefault(job.id, pending_since(job))  # its history: a restart keeps the wait
+            self._pending_since.setdefault(job_id, pending_since(job))  # its history: a restart keeps the wait
             self.queue.submit(job)
             if job.spec.job_class == "interactive":
                 self._interactive_pending[job.id] = request_fraction(job.spec.request)
@@ -191,7 +192,7 @@ class Scheduler(PersistMixin):
             self._failed[job.id] = reason
             self._to_fail.append(FailJob(job.id, f"unsatisfiable: {reason}"))
             return
-        self._pending_since.setdefault(job.id, max(pending_since(job), self._last_now))
+        self._pending_since.setdefault(job_id, max(pending_since(job), self._last_now))
         self.queue.submit(job)
         if job.spec.job_class == "interactive":
             self._interactive_pending[job.id] = request_fraction(job.spec.request)
