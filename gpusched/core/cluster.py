@@ -108,8 +108,8 @@ class ClusterState:
                                     _mode(modes.get(inst.uuid)), numa, clients, owners.get(inst.uuid)))
         for job in active:
             if job.state in ACTIVE_STATES and job.allocation is not None:
-                self._adopt(job)
                 paused = job.id in yielded
+                self._adopt(job, paused)
                 if paused:
                     self.pause(job.id)
                 self.applied.append((job.id, job.allocation, job.uid, job.spec.precision, paused))
@@ -121,23 +121,30 @@ class ClusterState:
         self.devices[dev.uuid] = dev
         self.by_gpu.setdefault(dev.gpu_index, []).append(dev.uuid)
 
-    def _adopt(self, job: Job) -> None:
+    def _adopt(self, job: Job, paused: bool = False) -> None:
         """Record an existing allocation as it is, even if it breaks the rules (report, don't drop)."""
         alloc = job.allocation
         assert alloc is not None
         prec = precision_class(job.spec.precision)
         uuids = tuple(u for u in alloc.uuids if u in self.devices)
         for uuid in uuids:
-            self.adopt_on(self.writable(uuid), job.id, alloc, job.uid, prec)
+            self.adopt_on(self.writable(uuid), job.id, alloc, job.uid, prec, paused)
         self.held[job.id] = _Held(uuids, alloc.share is not None)
 
-    def adopt_on(self, dev: DeviceUse, job_id: int, alloc: Allocation, uid: int, prec: str | None) -> None:
-        """One device's part of `_adopt` (cluster_sync replays it per device, in the same order)."""
+    def adopt_on(self, dev: DeviceUse, job_id: int, alloc: Allocation, uid: int, prec: str | None,
+                 paused: bool = False) -> None:
+        """One device's part of `_adopt` (cluster_sync replays it per device, in the same order).
+
+        A share suspended in place (`paused`) is adopted holding its memory and slot but no
+        compute, as `pause_on` leaves it: counted first and taken off after, it made a device look
+        over-full whenever the share that runs instead came before it in the snapshot."""
         if alloc.share is not None:
             mem = alloc.gpu_mem_mib or 0
-            dev.clients[job_id] = _Client(alloc.share or 0.0, mem, uid, prec, alloc.share or 0.0)
+            share = alloc.share or 0.0
+            running = 0.0 if paused else share
+            dev.clients[job_id] = _Client(running, mem, uid, prec, share)
             dev.uids = None
-            dev.used_fraction += alloc.share or 0.0
+            dev.used_fraction += running
             dev.used_mem += mem
             if dev.holder is not None or dev.used_fraction > 1 + _EPS or dev.used_mem > dev.memory_mib:
                 self.overcommitted.add(dev.uuid)

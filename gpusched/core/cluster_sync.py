@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
-from gpusched.core.devices import _Held, pause_on, precision_class
+from gpusched.core.devices import _Held, precision_class
 from gpusched.core.placement import Applied, Cluster
 from gpusched.model import ACTIVE_STATES, Job
 
@@ -75,15 +75,12 @@ def sync(cluster: Cluster, active: Iterable[Job], yielded: AbstractSet[int]) -> 
             held[jid] = _Held(uuids, alloc.share is not None)
         if not touched:
             continue
-        shared = alloc.share is not None
         replay = [u for u in uuids if u in touched]
         if replay:
             prec = precision_class(precision)
             for uuid in replay:
                 dev = cluster.writable(uuid)
-                cluster.adopt_on(dev, jid, alloc, uid, prec)
-                if paused and shared:
-                    pause_on(dev, jid)
+                cluster.adopt_on(dev, jid, alloc, uid, prec, paused)
     cluster.held = held
     cluster.applied = now
     cluster.dirty = set()

@@ -166,3 +166,25 @@ def test_a_failed_placement_stays_failed_after_a_commit_but_not_after_a_release(
     assert c.place(second) is None
     c.release(1)
     assert c.place(second) is not None  # the memo of the failure did not survive the release
+
+
+def test_a_share_suspended_in_place_does_not_make_the_share_running_beside_it_look_over_full() -> None:
+    """A 0.1 share yielded its compute to a 1.0 share on a timeslice device (the engine keeps its
+    memory and slot). Listed after the running one, it used to be counted in full before the pause
+    took it off, and the device was reported over-full; found by the random-workload property test
+    in test_scheduler.py. Built fresh or synced, in either order, nothing is over-full."""
+    dev = [AllocatedDevice(uuid="GPU-0001", gpu_index=1, kind="gpu")]
+    running = _running(job(1, share=1.0, mem=100, uid=1), Allocation(devices=dev, compute_fraction=1.0, share=1.0,
+                                                                      gpu_mem_mib=100))
+    paused = _running(job(2, share=0.1, mem=100, uid=1), Allocation(devices=dev, compute_fraction=0.1, share=0.1,
+                                                                     gpu_mem_mib=100))
+    for order in ((running, paused), (paused, running)):
+        built = Cluster.build(GPUS, list(order), share_modes=MODES, yielded=frozenset({2}))
+        assert built.overcommitted == set()
+        assert built.devices["GPU-0001"].used_fraction == 1.0
+        live = Cluster.build(GPUS, [], share_modes=MODES)
+        assert sync(live, order, frozenset({2}))
+        assert state(live, ask=False) == state(built, ask=False)
+    over = Cluster.build(GPUS, [running, _running(job(3, share=0.1, mem=100, uid=1), paused.allocation)],  # type: ignore[arg-type]
+                         share_modes=MODES)
+    assert over.overcommitted == {"GPU-0001"}  # both running: over-full indeed
