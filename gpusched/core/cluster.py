@@ -109,9 +109,7 @@ class ClusterState:
         for job in active:
             if job.state in ACTIVE_STATES and job.allocation is not None:
                 paused = job.id in yielded
-                self._adopt(job, paused)
-                if paused:
-                    self.pause(job.id)
+                self._adopt(job, paused)  # a paused share is adopted paused: nothing to take off after
                 self.applied.append((job.id, job.allocation, job.uid, job.spec.precision, paused))
         self.dirty.clear()
         return self
@@ -121,7 +119,7 @@ class ClusterState:
         self.devices[dev.uuid] = dev
         self.by_gpu.setdefault(dev.gpu_index, []).append(dev.uuid)
 
-    def _adopt(self, job: Job, paused: bool = False) -> None:
+    def _adopt(self, job: Job, paused: bool) -> None:
         """Record an existing allocation as it is, even if it breaks the rules (report, don't drop)."""
         alloc = job.allocation
         assert alloc is not None
@@ -132,7 +130,7 @@ class ClusterState:
         self.held[job.id] = _Held(uuids, alloc.share is not None)
 
     def adopt_on(self, dev: DeviceUse, job_id: int, alloc: Allocation, uid: int, prec: str | None,
-                 paused: bool = False) -> None:
+                 paused: bool) -> None:
         """One device's part of `_adopt` (cluster_sync replays it per device, in the same order).
 
         A share suspended in place (`paused`) is adopted holding its memory and slot but no
