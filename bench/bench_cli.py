@@ -3,9 +3,12 @@
 `gpusched submit`, `queue`, `show` and `cancel` each run as a real process (the installed `gpusched`
 entry point) against a real daemon, interleaved with the baseline `python -c pass`, so drift on a
 shared machine hits them all alike. The baseline is the part no client code can remove: the
-interpreter starting and exiting. The goal (issue 13) is each command's p50 at most 3x the
-baseline's p50. Jobs stay PENDING behind a blocker that holds every GPU, so no job process competes
-for CPU; `queue` lists them all (30 pending jobs and the blocker, in a full run). The packages'
+interpreter starting and exiting (with `site`, as the console script's interpreter does; `python -I
+-S -c pass` beside it is the interpreter with nothing imported at all). The goal (issue 13) is each
+command's p50 at most 3x the baseline's p50. These commands take the fast path (fastpath.py: no
+click); the import rows show what that path and the click program each cost before any work. Jobs
+stay PENDING behind a blocker that holds every GPU, so no job process competes for CPU; `queue`
+lists them all (30 pending jobs and the blocker, in a full run). The packages'
 bytecode is compiled first, as an installed package's is, so no run pays for compiling source.
 
     python bench/bench_cli.py            # 30 runs of each (~20 s on 2 cores)
@@ -15,14 +18,11 @@ bytecode is compiled first, as an installed package's is, so no run pays for com
 from __future__ import annotations
 
 import argparse
-import compileall
 import os
 import sys
 
 import harness as h
 
-import gpusched
-import gpusched_cli
 from gpusched_cli.client import Client
 
 GOAL = 3.0  # x python -c pass, p50
@@ -33,7 +33,9 @@ def commands(program: str, socket_path: str, show_id: int, cancel_ids: list[int]
     base = [program, "--socket", socket_path]
     return {
         "python -c pass": [sys.executable, "-c", "pass"],
-        "python -c 'import gpusched_cli.main'": [sys.executable, "-c", "import gpusched_cli.main"],
+        "python -I -S -c pass": [sys.executable, "-I", "-S", "-c", "pass"],  # nothing imported, no site
+        "python -c 'import gpusched_cli.fastpath'": [sys.executable, "-c", "import gpusched_cli.fastpath"],
+        "python -c 'import gpusched_cli.main'": [sys.executable, "-c", "import gpusched_cli.main"],  # click's
         "gpusched submit --gpus 1 -- true": [*base, "submit", "--gpus", "1", "--", "true"],
         "gpusched queue": [*base, "queue"],
         f"gpusched show {show_id}": [*base, "show", str(show_id)],
@@ -41,16 +43,8 @@ def commands(program: str, socket_path: str, show_id: int, cancel_ids: list[int]
     }
 
 
-def compile_bytecode() -> None:
-    """Write the .pyc files an installed package has, so no run pays for compiling source: with
-    PYTHONDONTWRITEBYTECODE set (as in some shells and CI), every run would compile every module."""
-    for package in (gpusched, gpusched_cli):
-        for folder in package.__path__:
-            compileall.compile_dir(folder, quiet=1)
-
-
 def measure(d: h.DaemonProc, runs: int) -> dict[str, list[float]]:
-    compile_bytecode()
+    h.compile_bytecode()
     program = os.path.join(os.path.dirname(sys.executable), "gpusched")
     with Client(d.socket) as c:
         h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))  # the blocker; cleanup() kills it

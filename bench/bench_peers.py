@@ -11,7 +11,9 @@ submit: `gpusched submit`, `tsp CMD`, `sbatch --wrap CMD`. We measure
     no arrays). gpusched's answer comes after the array is committed (fsync); Slurm's controller
     writes its state files in the background, so its answer is not durable yet.
 Ratios are printed against gpusched. A peer that is not installed or will not start is skipped with
-the reason, and the script still exits 0. Everything it starts is stopped at the end.
+the reason, and the script still exits 0. Everything it starts is stopped at the end. Beside them,
+the same throughput phases run `python -I -S -c pass`: the interpreter starting and exiting with
+nothing imported, the most processes per second any Python client could reach on this machine.
 
     python bench/bench_peers.py            # full run (~2-3 min on 2 cores)
     python bench/bench_peers.py --quick    # CI smoke
@@ -397,6 +399,30 @@ def bench_peer(make: Callable[[str], Peer], sizes: Sizes) -> Result:
     return result
 
 
+@dataclass
+class Interpreter(Peer):
+    """Not a scheduler: the Python interpreter alone, started and exited, as the floor of a Python client."""
+
+    def start(self) -> None:
+        self.env = dict(os.environ)
+
+    def submit_argv(self, command: str) -> list[str]:
+        return [sys.executable, "-I", "-S", "-c", "pass"]
+
+    def block(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def interpreter_rates(sizes: Sizes) -> dict[int, float]:
+    """Processes per second of `python -I -S -c pass`, in the throughput phases' shape."""
+    floor = Interpreter("python -I -S -c pass")
+    floor.start()
+    return {c: measure_throughput(floor, sizes.submits, c) for c in sizes.concurrency}
+
+
 PEERS: dict[str, Callable[[str], Peer]] = {
     "gpusched": lambda base: Gpusched("gpusched", base),
     "tsp": lambda base: TaskSpooler("tsp", base),
@@ -404,7 +430,7 @@ PEERS: dict[str, Callable[[str], Peer]] = {
 }
 
 
-def report(results: list[Result], sizes: Sizes) -> None:
+def report(results: list[Result], sizes: Sizes, floor: dict[int, float]) -> None:
     ours = results[0]
     table = h.Table(["system", *[f"submits/s x{c}" for c in sizes.concurrency], "submit proc p50 ms",
                      "submit->start p50 ms", "p99 ms", "max ms", f"--array 1-{sizes.array_tasks} ms"])
@@ -416,6 +442,12 @@ def report(results: list[Result], sizes: Sizes) -> None:
                   1000 * h.median(r.latency), 1000 * h.percentile(r.latency, 99), 1000 * max(r.latency),
                   1000 * r.array_s if r.array_s is not None else "no arrays")
     print(table.render())
+    print()
+    print("the interpreter alone (python -I -S -c pass, nothing imported), the ceiling of any Python client: "
+          + ", ".join(f"{floor[c]:.1f} processes/s x{c}" for c in sizes.concurrency))
+    for r in results:
+        if not r.skipped:
+            print(f"  {r.name}: " + ", ".join(f"{r.rates[c] / floor[c]:.2f} of it x{c}" for c in sizes.concurrency))
     print()
     for r in results:
         if r.skipped:
@@ -450,14 +482,17 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown peers {unknown}; choose from {sorted(PEERS)}")
 
+    h.compile_bytecode()
     print(h.machine_line())
     print(f"{sizes.submits} submits per throughput phase, {sizes.latency_samples} latency samples per system")
     results = []
     for name in wanted:
         print(f"  measuring {name} ...", flush=True)
         results.append(bench_peer(PEERS[name], sizes))
+    print("  measuring the interpreter alone ...", flush=True)
+    floor = interpreter_rates(sizes)
     print()
-    report(results, sizes)
+    report(results, sizes, floor)
     return 0
 
 

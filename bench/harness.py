@@ -221,6 +221,19 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def compile_bytecode() -> None:
+    """Write the .pyc files an installed package has, so no timed process pays for compiling source:
+    with PYTHONDONTWRITEBYTECODE set (as in some shells and CI), every run would compile every module."""
+    import compileall
+
+    import gpusched
+    import gpusched_cli
+
+    for package in (gpusched, gpusched_cli):
+        for folder in package.__path__:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def time_process(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
     """Wall time of one whole process, start to exit; raises if it fails."""
     t0 = time.perf_counter()

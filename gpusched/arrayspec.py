@@ -14,7 +14,6 @@ tasks are kept in ascending order. `%MAX` caps how many of the array's tasks run
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 # No index beyond this: task ids go into environment variables and a C `int` (as Slurm's do).
 MAX_TASK_INDEX = 2**31 - 1
@@ -23,25 +22,41 @@ MAX_TASK_INDEX = 2**31 - 1
 HARD_MAX_TASKS = 1_000_000
 MAX_SPEC_CHARS = 65_536
 
-_PART = re.compile(r"^([0-9]+)(?:-([0-9]+)(?::([0-9]+))?)?$")
-_REF = re.compile(r"^([0-9]+)(?:_([0-9]+))?$")
+# Kept as text and matched through re's cache: compiled on first use, not at every start of the client.
+_PART = r"^([0-9]+)(?:-([0-9]+)(?::([0-9]+))?)?$"
+_REF = r"^([0-9]+)(?:_([0-9]+))?$"
 
 
 class ArraySpecError(ValueError):
     """The spec is not valid; the message says what is wrong (callers name the flag or field)."""
 
 
-@dataclass(frozen=True, slots=True)
 class ArraySpec:
-    """The expanded spec: its task indices (ascending, unique) and the %MAX, if any."""
+    """The expanded spec: its task indices (ascending, unique) and the %MAX, if any.
 
-    tasks: tuple[int, ...]
-    max_running: int | None
-    text: str  # as given, whitespace removed: what `show` and `queue` print
+    A plain class, not a dataclass: dataclasses imports inspect, and `gpusched submit --array`
+    starts on the client's fast path (issue 13). Immutable in use; compared by value."""
+
+    __slots__ = ("max_running", "tasks", "text")
+
+    def __init__(self, tasks: tuple[int, ...], max_running: int | None, text: str) -> None:
+        self.tasks = tasks
+        self.max_running = max_running
+        self.text = text  # as given, whitespace removed: what `show` and `queue` print
 
     @property
     def count(self) -> int:
         return len(self.tasks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ArraySpec) and (self.tasks, self.max_running, self.text) == (
+            other.tasks, other.max_running, other.text)
+
+    def __hash__(self) -> int:
+        return hash((self.tasks, self.max_running, self.text))
+
+    def __repr__(self) -> str:
+        return f"ArraySpec(tasks={self.tasks!r}, max_running={self.max_running!r}, text={self.text!r})"
 
 
 def parse_array_spec(text: str, max_tasks: int = HARD_MAX_TASKS) -> ArraySpec:
@@ -66,7 +81,7 @@ def parse_array_spec(text: str, max_tasks: int = HARD_MAX_TASKS) -> ArraySpec:
     for part in body.split(","):
         if not part:
             raise ArraySpecError("has an empty part (two commas in a row, or a comma at an end)")
-        found = _PART.match(part) if part.isascii() else None
+        found = re.match(_PART, part) if part.isascii() else None
         if found is None:
             raise ArraySpecError(f"{part!r} is not an index or a range; write N, A-B or A-B:STEP "
                                  "(e.g. 1-100:2)")
@@ -90,7 +105,7 @@ def parse_array_spec(text: str, max_tasks: int = HARD_MAX_TASKS) -> ArraySpec:
 
 def parse_job_ref(text: str) -> tuple[int, int | None]:
     """`123` -> (123, None); `123_7` -> (123, 7): job (or array) 123, task 7 of array 123."""
-    found = _REF.match(text.strip()) if text.isascii() else None
+    found = re.match(_REF, text.strip()) if text.isascii() else None
     if found is None:
         raise ArraySpecError(f"{text!r} is not a job id; write ID (e.g. 123) or ARRAY_TASK (e.g. 123_7)")
     job_id = int(found.group(1))

@@ -1,20 +1,42 @@
-"""What every command module shares: a connected client, and printing that is safe on a terminal."""
+"""What every command shares: the daemon it talks to, a connected client, printing that is safe on a
+terminal, and the mapping of each failure to its exit code. No click here: the fast path
+(fastpath.py) runs the everyday commands through this module without importing click."""
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import errno
 import json
+import os
 import sys
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
 
-import click
+from gpusched.wire import ProtocolError
+from gpusched_cli import resubmit
+from gpusched_cli.client import Client, DaemonUnavailable, resolve_socket
+from gpusched_cli.exits import CODE_EXITS, EXIT_ERROR, EXIT_OUTPUT_CLOSED, EXIT_UNAVAILABLE
+from gpusched_cli.textfmt import printable
 
-from gpusched.arrayspec import ArraySpecError, parse_job_ref
-from gpusched_cli import render, resubmit
-from gpusched_cli.client import Client, resolve_socket
+TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any, NoReturn, Protocol
+
+    class _HasRoot(Protocol):  # a click.Context, whose root's obj is the Target
+        def find_root(self) -> Any: ...
+
+
+class Target:
+    """The daemon a run of `gpusched` talks to: `--socket` as given (None: $GPUSCHED_SOCKET or
+    discovery) and, once connected, the path chosen, which a lost connection's message names."""
+
+    __slots__ = ("option", "path")
+
+    def __init__(self, option: str | None) -> None:
+        self.option = option
+        self.path: str | None = None
 
 
 class OutputClosed(Exception):
@@ -34,15 +56,34 @@ def writing_output() -> Iterator[None]:
         raise OutputClosed(exc) from None
 
 
+def _is_ascii(encoding: str) -> bool:
+    try:
+        return codecs.lookup(encoding).name == "ascii"
+    except LookupError:
+        return False
+
+
+def _write_line(stream: Any, text: str) -> None:
+    """`text` and a newline, flushed, as click.echo writes them: a stream misconfigured as ASCII (a
+    bare C locale with UTF-8 mode off) gets UTF-8 with replacement characters instead of an error."""
+    if _is_ascii(getattr(stream, "encoding", None) or "ascii"):
+        stream.flush()
+        stream.buffer.write((text + "\n").encode("utf-8", "replace"))
+        stream.buffer.flush()
+        return
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def echo(message: str, err: bool = False) -> None:
-    """Print for people: every character a terminal would act on is escaped (render.printable), since
+    """Print for people: every character a terminal would act on is escaped (textfmt.printable), since
     names, commands, reasons and even error messages can carry other users' text."""
     if err:
         with contextlib.suppress(OSError):  # nothing better to do with an error that cannot be shown
-            click.echo(render.printable(message), err=True)
+            _write_line(sys.stderr, printable(message))
         return
     with writing_output():
-        click.echo(render.printable(message))
+        _write_line(sys.stdout, printable(message))
 
 
 def fail(message: str, hint: str, code: int) -> NoReturn:
@@ -52,15 +93,51 @@ def fail(message: str, hint: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def report_failure(exc: BaseException, target: Target | None) -> None:
+    """Exit with the code and `error:`/`hint:` lines for a failure every command can meet (the
+    daemon absent, refusing, or gone; stdout closed); return for any other exception, which the
+    caller re-raises."""
+    if isinstance(exc, DaemonUnavailable):
+        fail(exc.message, exc.hint, EXIT_UNAVAILABLE)
+    if isinstance(exc, ProtocolError):
+        fail(exc.message, exc.hint, CODE_EXITS.get(exc.code, EXIT_ERROR))
+    if isinstance(exc, OutputClosed):
+        # Nothing more can go to stdout: point it at /dev/null so that the interpreter's own flush at
+        # exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        if exc.error.errno == errno.EPIPE:
+            sys.exit(EXIT_OUTPUT_CLOSED)  # quietly, as a C tool that SIGPIPE ends
+        fail(f"cannot write the output: {exc}", "", EXIT_ERROR)
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        path = "the daemon socket" if target is None or target.path is None else target.path
+        fail(
+            f"lost the connection to gpuschedd on {path}: {exc}",
+            "the daemon may be overloaded or restarting; try again",
+            EXIT_UNAVAILABLE,
+        )
+
+
+def target_of(where: Target | _HasRoot) -> Target:
+    """The run's Target: given, or the one the root click command keeps in its context's obj."""
+    if isinstance(where, Target):
+        return where
+    target = where.find_root().obj
+    assert isinstance(target, Target), "the root command sets ctx.obj to the run's Target"
+    return target
+
+
 @contextmanager
-def connected(ctx: click.Context, timeout: float = 60.0, retry_broken_s: float = 0.0) -> Iterator[Client]:
-    """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery.
+def connected(where: Target | _HasRoot, timeout: float = 60.0, retry_broken_s: float = 0.0) -> Iterator[Client]:
+    """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery (`where`:
+    the run's Target, or a click context).
 
     `retry_broken_s`: a connection that a daemon accepted and then broke (killed or restarted during
     the hello) is tried again for this long (`submit`); a daemon that is simply not there is not."""
-    obj = ctx.find_root().obj
-    path = resolve_socket(obj.get("socket"))
-    obj["socket_path"] = path
+    target = target_of(where)
+    path = resolve_socket(target.option)
+    target.path = path
     client = Client(path, timeout=timeout)
     try:
         try:
@@ -85,25 +162,3 @@ def write_verbatim(text: str) -> None:
         sys.stdout.flush()
         sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
         sys.stdout.buffer.flush()
-
-
-
-JobRef = tuple[int, int | None]  # (job or array id, task index or None)
-
-
-def _one_ref(ctx: click.Context, param: click.Parameter, value: str) -> JobRef:
-    """ID or ARRAY_TASK (`123_7`) -> (id, task or None); a bad one exits 2 naming the argument."""
-    try:
-        return parse_job_ref(value)
-    except ArraySpecError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
-
-
-def _many_refs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[JobRef]:
-    return [_one_ref(ctx, param, text) for text in value]
-
-
-# The job arguments of show / logs / wait (one) and cancel / suspend / resume / hold / release (many):
-# a job id (an array's id: all its tasks), or an array task as `123_7`.
-REF = click.argument("ref", callback=_one_ref, metavar="ID|ARRAY_TASK")
-REFS = click.argument("refs", nargs=-1, required=True, callback=_many_refs, metavar="ID|ARRAY_TASK...")

@@ -1,27 +1,25 @@
-"""`gpusched`: the command-line client. One click command per protocol request, same names.
+"""`gpusched` as a click program. One click command per protocol request, same names.
 
-This module is the root group only: the `--socket` and `--version` options, the mapping of every
-failure to one documented exit code (see `exits.py`, docs/cli.md), and `COMMANDS`, the one table
-of which module holds which command. A command's module is imported when that command runs (or
-when `--help` lists them all), so `gpusched queue` loads click, the socket client and the queue
-command, and nothing else: no pydantic, no protocol models, no scheduler, NVML or asyncio. Requests
-go out as plain JSON (`messages.py`) and results are read as plain JSON (`results.py`).
+The console script enters fastpath.py, which runs a plain job command line without click and hands
+every other one here untouched. This module is the root group only: the `--socket` and `--version`
+options, the mapping of every failure to one documented exit code (common.report_failure, exits.py,
+docs/cli.md), and `COMMANDS`, the one table of which module holds which command. A command's module
+is imported when that command runs (or when `--help` lists them all), so `gpusched gpus` loads
+click, the socket client and the gpus command, and nothing else: no pydantic, no protocol models, no
+scheduler, NVML or asyncio. Requests go out as plain JSON (`messages.py`) and results are read as
+plain JSON (`results.py`).
 """
 
 from __future__ import annotations
 
-import errno
 import importlib
-import os
-import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import click
 
-from gpusched.wire import PROTOCOL_VERSION, ProtocolError
-from gpusched_cli.client import DaemonUnavailable
-from gpusched_cli.common import OutputClosed, fail
+from gpusched.wire import PROTOCOL_VERSION
+from gpusched_cli.common import Target, report_failure
 
 # The exit codes lived here before exits.py; re-exported for the tests and scripts that import them.
 from gpusched_cli.exits import CODE_EXITS as CODE_EXITS
@@ -108,26 +106,9 @@ class _Cli(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except DaemonUnavailable as exc:
-            fail(exc.message, exc.hint, EXIT_UNAVAILABLE)
-        except ProtocolError as exc:
-            fail(exc.message, exc.hint, CODE_EXITS.get(exc.code, EXIT_ERROR))
-        except OutputClosed as exc:
-            # Nothing more can go to stdout: point it at /dev/null so that the interpreter's own
-            # flush at exit does not raise again.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-            if exc.error.errno == errno.EPIPE:
-                sys.exit(EXIT_OUTPUT_CLOSED)  # quietly, as a C tool that SIGPIPE ends
-            fail(f"cannot write the output: {exc}", "", EXIT_ERROR)
-        except (TimeoutError, ConnectionError) as exc:
-            path = ctx.obj.get("socket_path", "the daemon socket") if isinstance(ctx.obj, dict) else "socket"
-            fail(
-                f"lost the connection to gpuschedd on {path}: {exc}",
-                "the daemon may be overloaded or restarting; try again",
-                EXIT_UNAVAILABLE,
-            )
+        except Exception as exc:
+            report_failure(exc, ctx.obj if isinstance(ctx.obj, Target) else None)
+            raise
 
 
 @click.group(
@@ -150,8 +131,7 @@ class _Cli(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, socket_path: str | None) -> None:
     """Submit GPU jobs to gpuschedd and watch them: whole GPUs, MIG instances or MPS shares."""
-    ctx.ensure_object(dict)
-    ctx.obj["socket"] = socket_path
+    ctx.obj = Target(socket_path)
 
 
 def main() -> None:

@@ -11,9 +11,11 @@ made here are made there and come back as `bad_request` naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
+if TYPE_CHECKING:
+    from typing import Any
 
-Message = dict[str, Any]
+    Message = dict[str, Any]
 
 
 def hello(version: str, client: str) -> Message:

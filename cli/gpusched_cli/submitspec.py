@@ -5,11 +5,13 @@ imports no pydantic), and the environment it passes on."""
 from __future__ import annotations
 
 import os
-from typing import Any
-
-import click
 
 from gpusched.wire import MAX_MEM_MIB
+from gpusched_cli.options import UsageProblem
+
+TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
+if TYPE_CHECKING:
+    from typing import Any
 
 # JobSpec's limits that the flags above leave open (gpusched.model; tests/cli/test_messages.py keeps
 # them equal). A spec inside them is valid; one that may be outside goes to the model for its verdict.
@@ -67,7 +69,7 @@ _FLAG_OF_FIELD = {
 
 
 def check_with_model(spec: dict[str, Any]) -> None:
-    """Validate `spec` with the JobSpec model; a refusal is a usage error naming the flag (or, for
+    """Validate `spec` with the JobSpec model; a refusal is a UsageProblem naming the flag (or, for
     the rest of a spec, the field)."""
     from pydantic import ValidationError
 
@@ -83,13 +85,13 @@ def check_with_model(spec: dict[str, Any]) -> None:
                     None)
         message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
         if not exc.errors()[0]["loc"]:  # the spec as a whole (its size): what to shrink is in the message
-            raise click.UsageError(f"the job's CMD, --export environment, directory and --name: {message}") from None
+            raise UsageProblem(f"the job's CMD, --export environment, directory and --name: {message}") from None
         if flag is None:
-            raise click.UsageError(describe_validation_error(exc)) from None
-        raise click.BadParameter(message, param_hint=f"'{flag}'") from None
+            raise UsageProblem(describe_validation_error(exc)) from None
+        raise UsageProblem(message, f"'{flag}'") from None
     except ValueError as exc:  # check_submittable: "argv: ..." or "env: ..."
         where, _, why = str(exc).partition(": ")
         hint = {"argv": "CMD", "env": "--export"}.get(where)
         if hint is None:
-            raise click.UsageError(str(exc)) from None
-        raise click.BadParameter(why, param_hint=f"'{hint}'") from None
+            raise UsageProblem(str(exc)) from None
+        raise UsageProblem(why, f"'{hint}'") from None

@@ -40,6 +40,7 @@ from gpusched.submittable import check_submittable
 from gpusched_cli import messages, render, results
 from gpusched_cli import submitspec as submit_cmd
 from gpusched_cli.main import COMMANDS, cli
+from gpusched_cli.options import UsageProblem
 
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/home/u", "UNICODE": "caf\u00e9 \U0001f600"}
 
@@ -199,7 +200,7 @@ def test_a_spec_the_model_refuses_is_never_sent_unchecked(kw: dict[str, Any]) ->
         submit_cmd.check_with_model(plain)  # and the full check, if the quick one asks for it, agrees
     else:
         assert submit_cmd.might_be_invalid(plain)
-        with pytest.raises(click.UsageError):
+        with pytest.raises(UsageProblem):
             submit_cmd.check_with_model(plain)
 
 
@@ -226,9 +227,9 @@ def test_a_long_mig_profile_is_checked_by_the_model() -> None:
     plain = _plain_spec({"request_model": WholeRequest(gpus=1)})
     plain["request"] = messages.mig("1" * 30 + "g.40gb")
     assert submit_cmd.might_be_invalid(plain)
-    with pytest.raises(click.UsageError) as refused:  # named by the flag it came from
+    with pytest.raises(UsageProblem) as refused:  # named by the flag it came from
         submit_cmd.check_with_model(plain)
-    assert "'--mig'" in refused.value.format_message() and "at most" in refused.value.format_message()
+    assert refused.value.param_hint == "'--mig'" and "at most" in refused.value.message
 
 
 # ---- render helpers that mirror the model's -----------------------------------------------------

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpusched_cli.client import Client, resolve_socket
+from gpusched_cli.common import target_of
 
 if TYPE_CHECKING:
     from gpusched.slurm.scontrol import Scontrol
@@ -27,9 +28,9 @@ EXIT_SLURM = 1  # Slurm (scontrol, slurmd) or a file refused: the message says w
 
 @contextmanager
 def _client(ctx: click.Context) -> Iterator[Client]:
-    obj = ctx.find_root().obj
-    path = resolve_socket(obj.get("socket"))
-    obj["socket_path"] = path
+    target = target_of(ctx)
+    path = resolve_socket(target.option)
+    target.path = path
     client = Client(path, timeout=60.0)
     try:
         client.connect()
@@ -128,7 +129,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     if mps_control is None:
         mps_control = _sim_mps_control() if sim else "nvidia-cuda-mps-control"
     opts = export.ExportOptions(
-        node=node, out=out, socket=ctx.find_root().obj.get("socket_path"),
+        node=node, out=out, socket=target_of(ctx).path,
         dev_root=os.path.abspath(dev_root) if dev_root else (os.path.join(out, "dev") if sim else "/dev"),
         mknod=sim, node_params=node_params, gres_conf=_abs(gres_conf), slurm_conf=_abs(slurm_conf),
         run_dir=os.path.abspath(run_dir), job_mapping_dir=_abs(job_mapping_dir), mps_control=mps_control,

@@ -1,0 +1,121 @@
+"""The `gpusched` program: the everyday commands without click, everything else through click.
+
+Importing click costs more than the interpreter's own start, and `gpusched submit` in a loop is how
+scripts use the client (issue 13). So the console script enters here: when the command line is a
+plain one for a job command (`[--socket PATH] submit|queue|show|logs|wait|cancel|suspend|resume|hold|
+release ...`), its options are parsed from the same declarations click builds its own from
+(options.py) and the command's shared code runs (run_submit.py, run_jobs.py). For anything else
+(help, `--version`, another command, a value the strict parser leaves to click, a usage problem
+found before anything is sent, shell completion) `run` answers None before any side effect and the
+click program runs instead, from the start, so its messages and exit codes are the only ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gpusched_cli import run_jobs
+from gpusched_cli.common import Target, report_failure
+from gpusched_cli.options import UsageProblem
+
+TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
+    from gpusched_cli.options import Command
+
+EXIT_ABORTED = 1  # what click exits with after Ctrl-C outside a command's own handling ("Aborted!")
+COMPLETE_VAR = "_GPUSCHED_COMPLETE"  # click's shell completion asks through this variable
+
+
+def _submit(target: Target, values: dict[str, Any]) -> Callable[[], None]:
+    from gpusched_cli import run_submit
+
+    job = run_submit.prepare(**values)  # UsageProblem: click says it
+    return lambda: run_submit.send(target, job)
+
+
+def _job(action: Callable[..., None]) -> Callable[[Target, dict[str, Any]], Callable[[], None]]:
+    return lambda target, values: lambda: action(target, **values)
+
+
+def _control(op: str) -> Callable[[Target, dict[str, Any]], Callable[[], None]]:
+    return lambda target, values: lambda: run_jobs.job_control(target, op, **values)
+
+
+def _declaration(name: str) -> Command | None:
+    if name == "submit":
+        from gpusched_cli.run_submit import SUBMIT
+
+        return SUBMIT
+    return JOB_DECLARATIONS.get(name)
+
+
+JOB_DECLARATIONS: dict[str, Command] = {
+    "queue": run_jobs.QUEUE, "show": run_jobs.SHOW, "logs": run_jobs.LOGS, "wait": run_jobs.WAIT,
+    "cancel": run_jobs.REFS_ONLY, **{op: run_jobs.REFS_ONLY for op in run_jobs.JOB_CONTROL},
+}
+# Each fast command: (target, parsed values) -> the work to run; building it may raise UsageProblem.
+PLANS: dict[str, Callable[[Target, dict[str, Any]], Callable[[], None]]] = {
+    "submit": _submit, "queue": _job(run_jobs.queue), "show": _job(run_jobs.show), "logs": _job(run_jobs.logs),
+    "wait": _job(run_jobs.wait), "cancel": _job(run_jobs.cancel),
+    **{op: _control(op) for op in run_jobs.JOB_CONTROL},
+}
+
+
+def parse(argv: Sequence[str]) -> tuple[str | None, str, dict[str, Any]] | None:
+    """(--socket, command, its values) for a plain command line of a fast command, else None."""
+    socket: str | None = None
+    i = 0
+    while i < len(argv) and argv[i].startswith("--socket"):
+        name, eq, value = argv[i].partition("=")
+        if name != "--socket" or socket is not None:
+            return None
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1][:1] == "-":
+                return None
+            i += 1
+            value = argv[i]
+        socket = value
+        i += 1
+    if i >= len(argv):
+        return None
+    declaration = _declaration(argv[i])
+    values = None if declaration is None else declaration.parse(argv[i + 1:])
+    return None if values is None else (socket, argv[i], values)
+
+
+def run(argv: Sequence[str]) -> int | None:
+    """Run a plain job command and return its exit status; None (having done nothing) for click."""
+    if COMPLETE_VAR in os.environ:
+        return None
+    parsed = parse(argv)
+    if parsed is None:
+        return None
+    socket, name, values = parsed
+    target = Target(socket)
+    try:
+        work = PLANS[name](target, values)
+    except UsageProblem:
+        return None
+    try:
+        work()
+    except KeyboardInterrupt:  # as click: a blank line and "Aborted!"
+        sys.stderr.write("\nAborted!\n")
+        return EXIT_ABORTED
+    except Exception as exc:
+        report_failure(exc, target)
+        raise
+    return 0
+
+
+def main() -> None:
+    """The console script `gpusched`."""
+    status = run(sys.argv[1:])
+    if status is None:
+        from gpusched_cli.main import cli
+
+        cli(prog_name="gpusched")
+    sys.exit(status)
