@@ -138,6 +138,35 @@ def test_the_daemon_entry_point_freezes_on_either_event_loop(monkeypatch: pytest
     assert seen == [main._freeze_loaded, main._freeze_loaded]
 
 
+def test_the_daemon_entry_point_keeps_the_collector_off_until_the_load_is_frozen(
+        monkeypatch: pytest.MonkeyPatch, collector_on: None) -> None:
+    """The first allocation after the engine's pause would start a collection of everything loaded
+    (all of it young); the daemon's own process keeps the collector off from `_run_loop` until
+    `_freeze_loaded` has frozen the load, and only then turns it on."""
+    from gpusched.daemon import main
+
+    seen: dict[str, object] = {}
+
+    async def fake_run(config: object, *, loader: object = None, on_ready: object = None) -> int:
+        seen["during start"] = gc.isenabled()
+        assert callable(on_ready)
+        gc.unfreeze()
+        loaded = [[i] for i in range(1000)]  # what a start loads, while the collector is off
+        await on_ready(None)
+        seen["after ready"] = gc.isenabled()
+        seen["frozen"] = gc.get_freeze_count() >= len(loaded)
+        return 0
+
+    monkeypatch.setattr(main, "run", fake_run)
+    config = DaemonConfig(sim="H100-80GB:1", socket="/nonexistent/g.sock", state_dir="/nonexistent")
+    try:
+        assert main._run_loop(config, None) == 0
+    finally:
+        _stop_heaps()
+        gc.unfreeze()
+    assert seen == {"during start": False, "after ready": True, "frozen": True}
+
+
 class _Node:
     """An object in a reference cycle (with itself), so only the cyclic collector can free it."""
 

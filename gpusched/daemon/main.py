@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -295,8 +296,13 @@ async def run(config: DaemonConfig, install_signals: bool = True,
 async def _freeze_loaded(daemon: Daemon) -> None:
     """The loaded queue lives on, and so do the jobs accepted later: no full collection walks
     them again, bar a sweep once an hour (gcpause.LongLivedHeap). Only the daemon's own process
-    does this: a program that embeds `run` keeps its collector as it is."""
+    does this: a program that embeds `run` keeps its collector as it is.
+
+    The collector was off since `_run_loop` (the engine's own pause ends with its load, and the first
+    allocation after it would start a collection of everything loaded, still young: 0.7 s of a
+    restart at 100k queued jobs), so it is turned on only once what was loaded is frozen."""
     LongLivedHeap().start()  # and a sweep every SWEEP_INTERVAL_S
+    gc.enable()
 
 
 async def _reload_on_hup(daemon: Daemon) -> None:
@@ -365,6 +371,7 @@ def absolute_paths(config: DaemonConfig) -> DaemonConfig:
 
 
 def _run_loop(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None) -> int:
+    gc.disable()  # until the start's load is frozen (_freeze_loaded): what it loads is not garbage
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency, but a plain asyncio loop is a fine fallback
