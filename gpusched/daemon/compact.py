@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from pydantic_core import from_json
 
 from gpusched.construct import construct, fields_of
+from gpusched.daemon.envstore import digest, env_json, surely_inline
 from gpusched.model import (
     Allocation,
     AnyRequest,
@@ -99,11 +100,27 @@ class Compactor:
         self._argvs: _Pool[tuple[str, ...], list[str]] = _Pool(capacity)
         self._requests: _Pool[tuple[Any, ...], AnyRequest] = _Pool(capacity)
         self._strings: _Pool[str, str] = _Pool(capacity)
-        # Keyed by the stored JSON text, so at most `capacity` texts of at most MAX_SPEC_BYTES each.
-        self._specs: _Table[str, JobSpec] = _Table(capacity)
+        # Keyed by the stored JSON text (with the digest of the environment stored apart from it, if it
+        # is: envstore.py), so at most `capacity` texts of at most MAX_SPEC_BYTES each.
+        self._specs: _Table[str | tuple[str, bytes], JobSpec] = _Table(capacity)
         # By object identity; the entry holds the spec, so its id cannot be reused while it is here.
         self._sizes: _Pool[int, tuple[JobSpec, int]] = _Pool(capacity)
         self._columns: _Pool[int, tuple[JobSpec, tuple[str, str, int]]] = _Pool(capacity)
+        self._stored_envs: _Pool[int, tuple[dict[str, str], bytes | None, bytes | None]] = _Pool(capacity)
+
+    def stored_env(self, env: dict[str, str]) -> tuple[bytes | None, bytes | None]:
+        """How `env` is stored (envstore.py): (its JSON, its digest), or (None, None) inline; worked
+        out once per shared environment, as a sweep's submits all carry the same one."""
+        if surely_inline(env):
+            return None, None
+        shared = self._envs.share(tuple(env.items()), env)
+        found = self._stored_envs.get(id(shared))
+        if found is not None and found[0] is shared:
+            return found[1], found[2]
+        text = env_json(shared)
+        key = None if text is None else digest(text)
+        self._stored_envs.share(id(shared), (shared, text, key))
+        return text, key
 
     def spec_bytes(self, spec: JobSpec) -> int:
         """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
@@ -127,21 +144,25 @@ class Compactor:
     def text(self, value: str) -> str:
         return self._strings.share(value, value)
 
-    def spec(self, spec: JobSpec, stored: str) -> JobSpec:
-        """A spec a client just sent (validated) and its stored JSON: one object for every job whose
-        spec is the same (the tasks of an array, a resubmitted sweep), else its repeated parts shared."""
-        found = self._specs.get(stored)
+    def spec(self, spec: JobSpec, stored: str, env_digest: bytes | None = None) -> JobSpec:
+        """A spec a client just sent (validated) and its stored JSON (`env_digest`: its environment's,
+        stored apart): one object for every job whose spec is the same (the tasks of an array, a
+        resubmitted sweep), else its repeated parts shared."""
+        key = stored if env_digest is None else (stored, env_digest)
+        found = self._specs.get(key)
         if found is not None:
-            self._specs.move_to_end(stored)
+            self._specs.move_to_end(key)
             return found
-        return self._specs.share(stored, self._build(spec.model_dump()))
+        return self._specs.share(key, self._build(spec.model_dump()))
 
-    def spec_from_json(self, text: str) -> JobSpec:
+    def spec_from_json(self, text: str, env: tuple[dict[str, str], bytes] | None = None) -> JobSpec:
         """A spec the daemon itself stored: not validated again (it was at submission), unless its
-        shape is not exactly today's (a database from an older version), which goes through pydantic."""
-        found = self._specs.get(text)
+        shape is not exactly today's (a database from an older version), which goes through pydantic.
+        `env`: (environment, its digest) when the environment is stored apart and `text` has none."""
+        key = text if env is None else (text, env[1])
+        found = self._specs.get(key)
         if found is not None:
-            self._specs.move_to_end(text)
+            self._specs.move_to_end(key)
             return found
         try:
             # pydantic's own parser, 2.7x json.loads on a spec (a restart parses 100k of them);
@@ -149,9 +170,15 @@ class Compactor:
             data = from_json(text, cache_strings="keys")
         except (ValueError, TypeError):
             data = None
+        if env is not None and isinstance(data, dict):
+            data["env"] = env[0]  # (a row that names an environment holds none of its own)
         if not isinstance(data, dict) or data.keys() != _SPEC_FIELDS or not _plain(data):
-            return self._specs.share(text, self._build(JobSpec.model_validate_json(text).model_dump()))
-        return self._specs.share(text, self._build(data))
+            if env is None:
+                parsed = JobSpec.model_validate_json(text)
+            else:  # (`JobSpec.env` has a default: a text without one must not validate as an empty environment)
+                parsed = JobSpec.model_validate({**from_json(text), "env": env[0]})
+            return self._specs.share(key, self._build(parsed.model_dump()))
+        return self._specs.share(key, self._build(data))
 
     def _build(self, data: dict[str, Any]) -> JobSpec:
         env: dict[str, str] = data["env"]

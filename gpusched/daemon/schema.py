@@ -13,8 +13,9 @@ from contextlib import contextmanager
 
 from gpusched.model import JobSpec, describe_request, display_name, spec_bytes
 
-SCHEMA_VERSION = 4  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
-# 4: jobs.spec_bytes, so a restart sums the per-user byte limits in SQL instead of measuring 100k specs
+SCHEMA_VERSION = 5  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
+# 4: jobs.spec_bytes, so a restart sums the per-user byte limits in SQL instead of measuring 100k specs;
+# 5: envs, each large environment stored once (envstore.py), and jobs.env_id
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -37,7 +38,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     request TEXT,
     array_id INTEGER,
     array_task INTEGER,
-    spec_bytes INTEGER  -- what it counts against max_pending_bytes_per_user (a task: its share of the array's)
+    spec_bytes INTEGER,  -- what it counts against max_pending_bytes_per_user (a task: its share of the array's)
+    env_id INTEGER  -- the job's environment, in envs (its spec then has no env); NULL: inside the spec
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 -- Finished jobs by when they ended (pruning keeps the newest): partial, so a submit adds nothing to it.
@@ -54,6 +56,13 @@ CREATE TABLE IF NOT EXISTS arrays (
     task_count INTEGER NOT NULL,
     max_running INTEGER,
     submitted_at REAL NOT NULL
+);
+-- Environments of more than envstore.INLINE_MAX bytes, once each, by the digest of their JSON; never
+-- an id twice (AUTOINCREMENT), as readers keep them parsed by id.
+CREATE TABLE IF NOT EXISTS envs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    digest BLOB NOT NULL UNIQUE,
+    env TEXT NOT NULL
 );
 -- Client-chosen idempotency keys of submits (`request_id`): a retried submit finds its job here.
 CREATE TABLE IF NOT EXISTS submit_keys (
@@ -97,14 +106,17 @@ def create_or_upgrade(db: sqlite3.Connection) -> None:
 
     Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
     Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA.
-    Schema 3 -> 4: jobs.spec_bytes, measured once from each job's spec (a task's from its array's)."""
+    Schema 3 -> 4: jobs.spec_bytes, measured once from each job's spec (a task's from its array's).
+    Schema 4 -> 5: the envs table and jobs.env_id; every existing row keeps its environment inline."""
     db.executescript(SCHEMA)
     columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
     for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
-                         ("array_task", "INTEGER"), ("spec_bytes", "INTEGER")):
+                         ("array_task", "INTEGER"), ("spec_bytes", "INTEGER"), ("env_id", "INTEGER")):
         if column not in columns:
             db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
     db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) WHERE array_id IS NOT NULL")
+    # pruning asks whether any job still names an environment
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_env ON jobs(env_id) WHERE env_id IS NOT NULL")
     while rows := db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall():
         with _transaction(db):  # 500 rows per transaction: a big upgrade is not one huge one
             for job_id, text in rows:

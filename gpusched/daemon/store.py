@@ -18,6 +18,7 @@ from gpusched.arrayspec import ArraySpec
 from gpusched.construct import construct, fields_of
 from gpusched.daemon import schema
 from gpusched.daemon.arraystore import insert_array
+from gpusched.daemon.envstore import prune_envs, store_env
 from gpusched.daemon.storereader import NO_SPEC, StoreReader, SummaryRow
 from gpusched.model import (
     TERMINAL_STATES,
@@ -109,7 +110,7 @@ class Store(StoreReader):
             yield
         except BaseException:
             if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
+                self._rollback()
             raise
         else:
             self._commit()
@@ -123,8 +124,14 @@ class Store(StoreReader):
             self._db.execute("COMMIT")
         except BaseException:
             if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
+                self._rollback()
             raise
+
+    def _rollback(self, savepoint: bool = False) -> None:
+        """ROLLBACK (or to the change's savepoint). An environment's id inserted in what is undone
+        can be handed out again, so the environments read since are forgotten (envstore.py)."""
+        self._db.execute("ROLLBACK TO change" if savepoint else "ROLLBACK")
+        self.envs.forget()
 
     # ---- jobs ------------------------------------------------------------------------------------
 
@@ -132,16 +139,19 @@ class Store(StoreReader):
                hold: bool = False, request_id: str | None = None) -> Job:
         """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
         history = _first_history(now, reason, hold)
-        stored = spec.model_dump_json()
         compact = self.compactor
+        env_text, env_key = compact.stored_env(spec.env)  # None: small, inline; else stored once, in envs
+        stored = spec.model_dump_json() if env_text is None else spec.model_dump_json(exclude={"env"})
         # Measured on the shared form the job will hold: the compactor's size table keeps what it
         # measures alive, and must not keep the request's own copy of every spec.
-        shared = compact.spec(spec, stored)
+        shared = compact.spec(spec, stored, env_key)
         with self._tx() as db:
+            env_id = None if env_text is None or env_key is None else store_env(db, env_text, env_key)
             cur = db.execute(
-                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason, *compact.columns(shared)),
+                "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes,"
+                " env_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason, *compact.columns(shared),
+                 env_id),
             )
             job_id = cur.lastrowid
             assert job_id is not None
@@ -248,6 +258,8 @@ class Store(StoreReader):
         with self._tx() as db:
             arrays = [r[0] for r in db.execute(
                 f"SELECT DISTINCT array_id FROM jobs WHERE id IN ({id_marks}) AND array_id IS NOT NULL", ids)]
+            envs = [r[0] for r in db.execute(
+                f"SELECT DISTINCT env_id FROM jobs WHERE id IN ({id_marks}) AND env_id IS NOT NULL", ids)]
             db.execute(f"DELETE FROM transitions WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM events WHERE job_id IN ({id_marks})", ids)
             db.execute(f"DELETE FROM jobs WHERE id IN ({id_marks})", ids)
@@ -256,6 +268,7 @@ class Store(StoreReader):
                 if db.execute("SELECT 1 FROM jobs WHERE array_id = ? LIMIT 1", (array_id,)).fetchone() is None:
                     db.execute("DELETE FROM arrays WHERE id = ?", (array_id,))
                     db.execute("DELETE FROM submit_keys WHERE job_id = ?", (array_id,))
+            prune_envs(db, envs)  # an environment goes with the last job that names it
         return ids
 
     # ---- device and job events -------------------------------------------------------------------
@@ -305,10 +318,10 @@ class _Change:
         if self._mode == 1:
             store._savepoints -= 1
             if exc_type is not None:
-                store._db.execute("ROLLBACK TO change")
+                store._rollback(savepoint=True)
             store._db.execute("RELEASE change")
         elif exc_type is not None:
-            store._db.execute("ROLLBACK")
+            store._rollback()
         else:
             store._commit()  # a COMMIT that fails leaves no transaction open behind it
 

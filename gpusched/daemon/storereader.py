@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from gpusched.daemon.arraystore import ArrayReads
 from gpusched.daemon.compact import Compactor
+from gpusched.daemon.envstore import EnvReader
 from gpusched.model import (
     TERMINAL_STATES,
     Allocation,
@@ -54,8 +55,9 @@ _LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite'
 
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
                     "display, request, array_id, array_task")
-# An array task's spec is its array's (jobs.spec is '' for tasks).
-_SPEC = "CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END"
+# An array task's spec is its array's (jobs.spec is '' for tasks), whose environment is inline.
+_SPEC = ("CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END, "
+         "CASE WHEN array_id IS NULL THEN env_id END")
 
 
 class StoreReader(ArrayReads):
@@ -66,6 +68,7 @@ class StoreReader(ArrayReads):
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
         self.compactor = Compactor()
+        self.envs = EnvReader(db)
 
     @classmethod
     def open(cls, path: str) -> StoreReader:
@@ -129,8 +132,8 @@ class StoreReader(ArrayReads):
 
     def _select(self, where: str, args: tuple[Any, ...], with_spec: bool = True) -> Iterator[Job]:
         cur = self._db.execute(
-            f"SELECT id, uid, gid, user, {_SPEC if with_spec else 'NULL'}, state, submitted_at, started_at, ended_at,"
-            f" exit_code, signal, reason, allocation, pid, array_id, array_task FROM jobs {where}",
+            f"SELECT id, uid, gid, user, {_SPEC if with_spec else 'NULL, NULL'}, state, submitted_at, started_at,"
+            f" ended_at, exit_code, signal, reason, allocation, pid, array_id, array_task FROM jobs {where}",
             args,
         )
         # In chunks: 100k rows of spec text held at once would be freed after the load, but would
@@ -141,13 +144,14 @@ class StoreReader(ArrayReads):
     def _jobs(self, rows: list[Any], with_spec: bool) -> Iterator[Job]:
         histories = self._histories([r[0] for r in rows])
         compact = self.compactor  # an array's tasks share one spec: the text is its array's, the same for all
+        envs = self.envs
         for r in rows:
+            spec = NO_SPEC if not with_spec else compact.spec_from_json(r[4], None if r[5] is None else envs.get(r[5]))
             yield compact.job(
-                id=r[0], uid=r[1], gid=r[2], user=r[3],
-                spec=compact.spec_from_json(r[4]) if with_spec else NO_SPEC, state=_STATES[r[5]],
-                submitted_at=r[6], started_at=r[7], ended_at=r[8], exit_code=r[9], signal=r[10], reason=r[11],
-                allocation=Allocation.model_validate_json(r[12]) if r[12] else None, pid=r[13],
-                history=histories.get(r[0], []), array_id=r[14], array_task=r[15],
+                id=r[0], uid=r[1], gid=r[2], user=r[3], spec=spec, state=_STATES[r[6]],
+                submitted_at=r[7], started_at=r[8], ended_at=r[9], exit_code=r[10], signal=r[11], reason=r[12],
+                allocation=Allocation.model_validate_json(r[13]) if r[13] else None, pid=r[14],
+                history=histories.get(r[0], []), array_id=r[15], array_task=r[16],
             )
 
     def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
