@@ -7,11 +7,16 @@ in the same run. Jobs wait behind a blocker (`sleep 3600` holding all 8 GPUs), s
 
     python bench/bench_footprint.py            # 10k and 100k queued jobs (long: see docs/benchmarks.md)
     python bench/bench_footprint.py --quick    # 1k and 2k, short idle windows (CI smoke)
+    python bench/bench_footprint.py --sizes 100000 --distinct --env-kib 6   # a sweep from a module-laden shell
+
+Jobs carry a 3-variable environment unless `--env-kib` gives them one of that size (users' shells
+with modules or conda hold 5-10 KiB): the database's size is printed beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ class Footprint:
     rss_after_restart_mib: float
     queue_request: str
     jobs_at_first_answer: int  # unfinished jobs visible right after the restarted socket first answered
+    database_mib: float  # gpusched.db and its WAL, after the restart
 
 
 def job_count(socket_path: str) -> int:
@@ -89,23 +95,29 @@ def measure(d: h.DaemonProc, queued: int, window_s: float) -> Footprint:
     queue_ok = try_queue(d.socket, expected)
     stop_s, ready_s, first = restart(d, expected)
     settle(d, min(2.0, window_s / 2))
-    result = Footprint(queued, rss, idle, stop_s, ready_s, h.rss_mib(d.pid), queue_ok, first)
+    result = Footprint(queued, rss, idle, stop_s, ready_s, h.rss_mib(d.pid), queue_ok, first, database_mib(d))
     print(f"  measured {result}", flush=True)  # a long run that is cut short still leaves its figures
     return result
 
 
-def fill(d: h.DaemonProc, target: int, have: int, clients: int, steps: int, distinct: bool = False) -> None:
+def database_mib(d: h.DaemonProc) -> float:
+    path = os.path.join(d.state_dir, "gpusched.db")
+    return sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.exists(p)) / 2**20
+
+
+def fill(d: h.DaemonProc, target: int, have: int, clients: int, steps: int, distinct: bool = False,
+         env: dict[str, str] | None = None) -> None:
     """Submit up to `target` pending jobs in `steps` chunks, printing the rate of each chunk.
 
     The rate per chunk shows whether submitting gets slower as the queue grows. With `distinct`
     every job has its own argv (`true 17`), as in a sweep submitted job by job, so nothing but the
     environment and the request can be shared; otherwise all are the same spec, as an array's tasks.
     """
-    same = h.spec(["true"], gpus=1)
+    same = h.spec(["true"], gpus=1, env=env)
     chunk = max(1, (target - have + steps - 1) // steps)
     while have < target:
         n = min(chunk, target - have)
-        job = (lambda k, base=have: h.spec(["true", str(base + k)], gpus=1)) if distinct else same
+        job = (lambda k, base=have: h.spec(["true", str(base + k)], gpus=1, env=env)) if distinct else same
         elapsed, _ = h.submit_concurrently(d.socket, job, n, clients)
         have += n
         print(f"  queued {have:>7}: last {n} submits at {n / elapsed:7.0f}/s ({elapsed:.1f} s)", flush=True)
@@ -124,11 +136,12 @@ def print_results(results: list[Footprint]) -> None:
     base = results[0]
     table = h.Table(["queued jobs", "RSS MiB", "x empty", "RSS after restart", "idle CPU %", "x empty",
                      "SIGTERM->exit s", "spawn->all jobs s", "x empty", "queue request",
-                     "jobs seen at 1st answer"])
+                     "jobs seen at 1st answer", "database MiB"])
     for r in results:
         table.add(r.queued, r.rss_mib, r.rss_mib / base.rss_mib, r.rss_after_restart_mib, r.idle_cpu_pct,
                   ratio(r.idle_cpu_pct, base.idle_cpu_pct), r.stop_s, r.start_to_ready_s,
-                  r.start_to_ready_s / base.start_to_ready_s, r.queue_request, r.jobs_at_first_answer)
+                  r.start_to_ready_s / base.start_to_ready_s, r.queue_request, r.jobs_at_first_answer,
+                  r.database_mib)
     print(table.render())
     print()
     for r in results[1:]:
@@ -151,6 +164,8 @@ def main() -> int:
                         help="queue depths to measure, comma-separated (default 10000,100000)")
     parser.add_argument("--window", type=float, default=None, help="idle CPU window in seconds (default 5)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent submitting connections")
+    parser.add_argument("--env-kib", type=int, default=0,
+                        help="give every job an environment of about this many KiB (default: 3 short variables)")
     parser.add_argument("--distinct", action="store_true",
                         help="every job its own argv (a sweep submitted job by job), not one spec for all")
     args = parser.parse_args()
@@ -159,7 +174,9 @@ def main() -> int:
 
     print(h.machine_line())
     print(f"daemon: gpuschedd --sim {h.SIM}; idle window {window:g} s; fill with {args.clients} clients; "
-          f"{'a distinct argv per job' if args.distinct else 'one spec for every job'}")
+          f"{'a distinct argv per job' if args.distinct else 'one spec for every job'}; "
+          f"{f'a {args.env_kib} KiB environment' if args.env_kib else 'a 3-variable environment'}")
+    env = h.module_env(args.env_kib) if args.env_kib else None
     d = h.DaemonProc(h.short_tmpdir("gbf-"))
     try:
         d.start()
@@ -167,7 +184,7 @@ def main() -> int:
         start_blocker(d)
         have = 0
         for size in sorted(sizes):
-            fill(d, size, have, args.clients, steps=2 if args.quick else 10, distinct=args.distinct)
+            fill(d, size, have, args.clients, steps=2 if args.quick else 10, distinct=args.distinct, env=env)
             have = size
             results.append(measure(d, size, window))
         print()

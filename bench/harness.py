@@ -63,9 +63,20 @@ def short_tmpdir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
 
 
-def spec(argv: Sequence[str], gpus: int = 1, cwd: str = "/tmp") -> JobSpec:
-    """A job spec with a small fixed environment, so figures do not depend on the caller's env."""
-    return JobSpec(argv=list(argv), cwd=cwd, env=dict(JOB_ENV), request=WholeRequest(gpus=gpus))
+def spec(argv: Sequence[str], gpus: int = 1, cwd: str = "/tmp", env: dict[str, str] | None = None) -> JobSpec:
+    """A job spec with a small fixed environment (or `env`), so figures do not depend on the caller's env."""
+    return JobSpec(argv=list(argv), cwd=cwd, env=dict(JOB_ENV if env is None else env), request=WholeRequest(gpus=gpus))
+
+
+def module_env(kib: int) -> dict[str, str]:
+    """An environment of about `kib` KiB, as a module system or conda leaves in a shell: JOB_ENV plus
+    many long library and tool paths."""
+    env = dict(JOB_ENV)
+    k = 0
+    while len(repr(env)) < 1024 * kib:
+        env[f"MODULE_PATH_{k}"] = f"/opt/software/pkg{k}/1.2.3/lib:/opt/software/dep{k}/lib64:/usr/local/cuda/lib64"
+        k += 1
+    return env
 
 
 @dataclass

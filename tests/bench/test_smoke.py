@@ -38,6 +38,7 @@ def test_bench_footprint_quick() -> None:
     out = run_quick("bench_footprint.py")
     assert "ratio vs empty @ 1000 queued" in out
     assert "ratio vs empty @ 2000 queued" in out
+    assert "database MiB" in out
 
 
 @pytest.mark.timeout(120)
