@@ -277,15 +277,23 @@ def _report(message: dict[str, Any]) -> None:
         print(json.dumps(message), flush=True)
 
 
-def run(job_dir: str) -> int:
-    # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
-    # the daemon's inheritable ones), no ignored signal (reset again in the child, after ours below).
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+def prepare() -> bool:
+    """What a shim does before it knows its job (a spare shim does it ahead: forkserver.py); returns
+    whether it became a subreaper. No ignored signal reaches the job (they are reset again in the
+    child, after ours in `run`), but SIGPIPE, as Python has it: a daemon killed mid-launch leaves the
+    report pipe without a reader, and the shim must outlive that write to record the job's end."""
     _reset_ignored_signals()
-    # But SIGPIPE, as Python has it: a daemon killed mid-launch leaves the report pipe without a
-    # reader, and the shim must outlive that write to record the job's end (the child resets it).
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    subreaper = become_subreaper()
+    return become_subreaper()
+
+
+def run(job_dir: str, subreaper: bool | None = None) -> int:
+    """Run the job of `job_dir` to its end; `subreaper`: what `prepare`, called ahead, returned."""
+    # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
+    # the daemon's inheritable ones).
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    if subreaper is None:
+        subreaper = prepare()
     claimed = _claim(job_dir)
     if claimed is None:
         return EXIT_REVOKED

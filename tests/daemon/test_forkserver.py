@@ -282,3 +282,90 @@ def test_a_fork_server_that_cannot_start_means_spawned_shims(state_dir: str) -> 
             await forks.fork_shim(executor.job_dir(2), 0, 10)
 
     _run(body, state_dir)
+
+
+# ---- the spare shim ------------------------------------------------------------------------------
+
+
+def _spares(server: int) -> list[int]:
+    """The fork server's children that are waiting spares (`gpusched-spare`)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None and stat["ppid"] == server:
+                try:
+                    if _comm(int(name)) == "gpusched-spare":
+                        found.append(int(name))
+                except OSError:
+                    continue
+    return found
+
+
+def _one_spare(server: int) -> int:
+    spares: list[int] = wait_until(lambda: _spares(server), what="a spare shim")
+    assert len(spares) == 1, spares
+    return spares[0]
+
+
+def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> None:
+    """The shim forked ahead: its own session, nothing open but 0-2 and its socketpair, a
+    subreaper, no ignored signal but SIGPIPE; a launch is handed to it, and the next spare is
+    forked once the server has been idle."""
+    go = os.path.join(os.path.dirname(state_dir), "go")
+
+    async def body(executor: Executor) -> None:
+        assert executor.shims.forks is not None
+        server = executor.shims.forks.pid
+        assert server is not None
+        spare = _one_spare(server)
+        assert _stat(spare) == {"ppid": server, "session": spare}
+        fds = sorted(int(fd) for fd in os.listdir(f"/proc/{spare}/fd"))
+        assert fds[:3] == [0, 1, 2] and len(fds) == 4
+        assert os.readlink(f"/proc/{spare}/fd/{fds[3]}").startswith("socket:")
+        with open(f"/proc/{spare}/status") as f:
+            status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        mask = int(status["SigIgn"], 16)
+        ignored = {n for n in range(1, 65) if mask >> (n - 1) & 1}
+        assert ignored - {32, 33} == {signal.SIGPIPE}  # (glibc's own two cannot be changed from Python)
+        started = await executor.start(1, _waits_for(go, 5), "/", {"PATH": "/usr/bin:/bin"}, ME)
+        assert started.error is None
+        assert _record(executor.job_dir(1))["shim_pid"] == spare and _comm(spare) == "gpusched-shim"
+        assert _stat(started.pid) == {"ppid": spare, "session": started.pid}
+        assert _one_spare(server) != spare  # the next one, after the idle delay
+        status_ = await _finish(executor, 1, go)
+        assert status_ is not None and status_.exit_code == 5
+
+    _run(body, state_dir)
+
+
+def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str) -> None:
+    go = os.path.join(os.path.dirname(state_dir), "go")
+
+    async def body(executor: Executor) -> None:
+        assert executor.shims.forks is not None
+        server = executor.shims.forks.pid
+        assert server is not None
+        spare = _one_spare(server)
+        os.kill(spare, signal.SIGKILL)
+        wait_until(lambda: not _alive(spare), what="the killed spare to be reaped")
+        started = await executor.start(1, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
+        assert started.error is None
+        shim_pid = _record(executor.job_dir(1))["shim_pid"]
+        assert shim_pid != spare and _forked_by_server(shim_pid)  # forked on request, as before spares
+        assert _one_spare(server) not in (spare, shim_pid)
+        status = await _finish(executor, 1, go)
+        assert status is not None and status.exit_code == 0
+
+    _run(body, state_dir)
+
+
+def test_the_spare_ends_when_the_daemon_goes(state_dir: str) -> None:
+    async def body(executor: Executor) -> tuple[int, int]:
+        assert executor.shims.forks is not None
+        server = executor.shims.forks.pid
+        assert server is not None
+        return server, _one_spare(server)
+
+    server, spare = _run(body, state_dir)  # (the executor is detached at the end: the channel closes)
+    wait_until(lambda: not _alive(spare) and not _alive(server), what="the spare, then its fork server, to exit")
