@@ -54,8 +54,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 MAX_REQUEST = 65536
 CHANNEL_FD = 0  # the socketpair end the daemon hands us as stdin
@@ -85,8 +86,8 @@ def job_dir_error(jobs_dir: str, job_dir: object) -> str | None:
 
 def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
     """In the forked child: drop everything of the fork server, then be the shim. Never returns."""
-    code = 1
-    try:
+
+    def work() -> int:
         os.setsid()
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)  # replaces the channel: a shim cannot talk to the daemon's fork server
@@ -94,19 +95,15 @@ def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # other shims' pidfds, the report fd's copy
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _set_comm("gpusched-shim")
-        code = shim.run(job_dir)
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            traceback.print_exc()
-            sys.stderr.flush()
-    finally:
-        os._exit(code)
+        return int(shim.run(job_dir))
+
+    _exit_with(work)
 
 
 def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
     """In the forked child: a shim that waits for its job on `channel`. Never returns."""
-    code = 1
-    try:
+
+    def work() -> int:
         os.setsid()
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)  # replaces the daemon's channel, as for a shim forked on request
@@ -119,12 +116,21 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
         data, fds = receive(channel)
         channel.close()
         if not data or len(fds) != 1:  # the fork server stopped serving (or is gone): no job comes
-            code = 0
-            return
+            return 0
         job_dir = json.loads(data)["job_dir"]
         os.dup2(fds[0], 1)  # the report pipe, as _become_shim has it; run() closes the original
         _set_comm("gpusched-shim")
-        code = shim.run(job_dir, subreaper)
+        return int(shim.run(job_dir, subreaper))
+
+    _exit_with(work)
+
+
+def _exit_with(work: Callable[[], int]) -> NoReturn:
+    """Run a forked child's `work` and exit with its code, whatever happens (a bug's traceback goes
+    to stderr): a child must never return into the fork server's loop."""
+    code = 1
+    try:
+        code = work()
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()

@@ -133,9 +133,7 @@ def test_a_forked_shim_runs_the_job_in_its_own_session_and_records_its_status(st
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        assert executor.shims.forks is not None
-        server = executor.shims.forks.pid
-        assert server is not None
+        server = _server(executor)
         started = await executor.start(1, _waits_for(go, 4), "/", {"PATH": "/usr/bin:/bin"}, ME)
         assert started.error is None and started.pid > 0
         record = _record(executor.job_dir(1))
@@ -302,6 +300,12 @@ def _spares(server: int) -> list[int]:
     return found
 
 
+def _server(executor: Executor) -> int:
+    """The pid of the executor's fork server (started by `executor.open()`)."""
+    assert executor.shims.forks is not None and executor.shims.forks.pid is not None
+    return executor.shims.forks.pid
+
+
 def _one_spare(server: int) -> int:
     spares: list[int] = wait_until(lambda: _spares(server), what="a spare shim")
     assert len(spares) == 1, spares
@@ -315,9 +319,7 @@ def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> N
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        assert executor.shims.forks is not None
-        server = executor.shims.forks.pid
-        assert server is not None
+        server = _server(executor)
         spare = _one_spare(server)
         assert _stat(spare) == {"ppid": server, "session": spare}
         fds = sorted(int(fd) for fd in os.listdir(f"/proc/{spare}/fd"))
@@ -343,9 +345,7 @@ def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str) -> None:
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        assert executor.shims.forks is not None
-        server = executor.shims.forks.pid
-        assert server is not None
+        server = _server(executor)
         spare = _one_spare(server)
         os.kill(spare, signal.SIGKILL)
         wait_until(lambda: not _alive(spare), what="the killed spare to be reaped")
@@ -362,9 +362,7 @@ def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str) -> None:
 
 def test_the_spare_ends_when_the_daemon_goes(state_dir: str) -> None:
     async def body(executor: Executor) -> tuple[int, int]:
-        assert executor.shims.forks is not None
-        server = executor.shims.forks.pid
-        assert server is not None
+        server = _server(executor)
         return server, _one_spare(server)
 
     server, spare = _run(body, state_dir)  # (the executor is detached at the end: the channel closes)
