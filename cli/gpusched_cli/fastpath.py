@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
     from gpusched_cli.options import Command
 
+    # A fast command's plan: (target, parsed values) -> the work to run; making it may raise UsageProblem.
+    Plan = Callable[[Target, dict[str, Any]], Callable[[], None]]
+
 EXIT_ABORTED = 1  # what click exits with after Ctrl-C outside a command's own handling ("Aborted!")
 COMPLETE_VAR = "_GPUSCHED_COMPLETE"  # click's shell completion asks through this variable
 
@@ -37,32 +40,29 @@ def _submit(target: Target, values: dict[str, Any]) -> Callable[[], None]:
     return lambda: run_submit.send(target, job)
 
 
-def _job(action: Callable[..., None]) -> Callable[[Target, dict[str, Any]], Callable[[], None]]:
+def _job(action: Callable[..., None]) -> Plan:
     return lambda target, values: lambda: action(target, **values)
 
 
-def _control(op: str) -> Callable[[Target, dict[str, Any]], Callable[[], None]]:
+def _control(op: str) -> Plan:
     return lambda target, values: lambda: run_jobs.job_control(target, op, **values)
 
 
-def _declaration(name: str) -> Command | None:
+# The fast job commands: each one's declaration and plan (submit's are imported only when it runs).
+JOBS: dict[str, tuple[Command, Plan]] = {
+    "queue": (run_jobs.QUEUE, _job(run_jobs.queue)), "show": (run_jobs.SHOW, _job(run_jobs.show)),
+    "logs": (run_jobs.LOGS, _job(run_jobs.logs)), "wait": (run_jobs.WAIT, _job(run_jobs.wait)),
+    "cancel": (run_jobs.REFS_ONLY, _job(run_jobs.cancel)),
+    **{op: (run_jobs.REFS_ONLY, _control(op)) for op in run_jobs.JOB_CONTROL},
+}
+
+
+def _fast(name: str) -> tuple[Command, Plan] | None:
     if name == "submit":
         from gpusched_cli.run_submit import SUBMIT
 
-        return SUBMIT
-    return JOB_DECLARATIONS.get(name)
-
-
-JOB_DECLARATIONS: dict[str, Command] = {
-    "queue": run_jobs.QUEUE, "show": run_jobs.SHOW, "logs": run_jobs.LOGS, "wait": run_jobs.WAIT,
-    "cancel": run_jobs.REFS_ONLY, **{op: run_jobs.REFS_ONLY for op in run_jobs.JOB_CONTROL},
-}
-# Each fast command: (target, parsed values) -> the work to run; building it may raise UsageProblem.
-PLANS: dict[str, Callable[[Target, dict[str, Any]], Callable[[], None]]] = {
-    "submit": _submit, "queue": _job(run_jobs.queue), "show": _job(run_jobs.show), "logs": _job(run_jobs.logs),
-    "wait": _job(run_jobs.wait), "cancel": _job(run_jobs.cancel),
-    **{op: _control(op) for op in run_jobs.JOB_CONTROL},
-}
+        return SUBMIT, _submit
+    return JOBS.get(name)
 
 
 def parse(argv: Sequence[str]) -> tuple[str | None, str, dict[str, Any]] | None:
@@ -82,8 +82,8 @@ def parse(argv: Sequence[str]) -> tuple[str | None, str, dict[str, Any]] | None:
         i += 1
     if i >= len(argv):
         return None
-    declaration = _declaration(argv[i])
-    values = None if declaration is None else declaration.parse(argv[i + 1:])
+    fast = _fast(argv[i])
+    values = None if fast is None else fast[0].parse(argv[i + 1:])
     return None if values is None else (socket, argv[i], values)
 
 
@@ -97,7 +97,9 @@ def run(argv: Sequence[str]) -> int | None:
     socket, name, values = parsed
     target = Target(socket)
     try:
-        work = PLANS[name](target, values)
+        plan = _fast(name)
+        assert plan is not None  # parse() answered for this name
+        work = plan[1](target, values)
     except UsageProblem:
         return None
     try:

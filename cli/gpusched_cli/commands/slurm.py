@@ -11,32 +11,17 @@ import os
 import re
 import socket as socket_module
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpusched_cli.client import Client, resolve_socket
-from gpusched_cli.common import target_of
+from gpusched_cli.client import Client
+from gpusched_cli.common import connected, target_of
 
 if TYPE_CHECKING:
     from gpusched.slurm.scontrol import Scontrol
 
 EXIT_SLURM = 1  # Slurm (scontrol, slurmd) or a file refused: the message says which
-
-
-@contextmanager
-def _client(ctx: click.Context) -> Iterator[Client]:
-    target = target_of(ctx)
-    path = resolve_socket(target.option)
-    target.path = path
-    client = Client(path, timeout=60.0)
-    try:
-        client.connect()
-        yield client
-    finally:
-        client.close()
 
 
 def _die(message: str, hint: str = "", code: int = EXIT_SLURM) -> None:
@@ -111,7 +96,7 @@ def slurm_export(ctx: click.Context, node: str | None, out: str | None, dev_root
     from gpusched.protocol import GpusRequest, GpusResult
     from gpusched.slurm import export, gresconf
 
-    with _client(ctx) as client:
+    with connected(ctx) as client:
         result = client.call(GpusRequest(), GpusResult)
     node = node or _default_node()
     sim = result.backend == "sim"
@@ -254,7 +239,7 @@ def slurm_relayout(ctx: click.Context, node: str, layout: str | None, auto: bool
     if opts.node != node:
         _die(f"{out} was exported for node {opts.node!r}, not {node!r}", code=2)
     scontrol = Scontrol(program=scontrol_path)
-    with _client(ctx) as client:
+    with connected(ctx) as client:
         if auto:
             try:
                 wanted = _auto_layout(client, node, opts.out, scontrol, squeue_path)
