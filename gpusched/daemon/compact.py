@@ -106,21 +106,21 @@ class Compactor:
         # By object identity; the entry holds the spec, so its id cannot be reused while it is here.
         self._sizes: _Pool[int, tuple[JobSpec, int]] = _Pool(capacity)
         self._columns: _Pool[int, tuple[JobSpec, tuple[str, str, int]]] = _Pool(capacity)
-        self._stored_envs: _Pool[int, tuple[dict[str, str], bytes | None, bytes | None]] = _Pool(capacity)
+        self._stored_envs: _Pool[int, tuple[dict[str, str], tuple[bytes, bytes] | None]] = _Pool(capacity)
 
-    def stored_env(self, env: dict[str, str]) -> tuple[bytes | None, bytes | None]:
-        """How `env` is stored (envstore.py): (its JSON, its digest), or (None, None) inline; worked
+    def stored_env(self, env: dict[str, str]) -> tuple[bytes, bytes] | None:
+        """How `env` is stored apart (envstore.py): (its JSON, its digest), or None inline; worked
         out once per shared environment, as a sweep's submits all carry the same one."""
         if surely_inline(env):
-            return None, None
+            return None
         shared = self._envs.share(tuple(env.items()), env)
         found = self._stored_envs.get(id(shared))
         if found is not None and found[0] is shared:
-            return found[1], found[2]
+            return found[1]
         text = env_json(shared)
-        key = None if text is None else digest(text)
-        self._stored_envs.share(id(shared), (shared, text, key))
-        return text, key
+        apart = None if text is None else (text, digest(text))
+        self._stored_envs.share(id(shared), (shared, apart))
+        return apart
 
     def spec_bytes(self, spec: JobSpec) -> int:
         """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
@@ -173,10 +173,9 @@ class Compactor:
         if env is not None and isinstance(data, dict):
             data["env"] = env[0]  # (a row that names an environment holds none of its own)
         if not isinstance(data, dict) or data.keys() != _SPEC_FIELDS or not _plain(data):
-            if env is None:
-                parsed = JobSpec.model_validate_json(text)
-            else:  # (`JobSpec.env` has a default: a text without one must not validate as an empty environment)
-                parsed = JobSpec.model_validate({**from_json(text), "env": env[0]})
+            # (with the environment apart, what was parsed, environment and all: `JobSpec.env` has a
+            # default, and a text without one must not validate as an empty environment)
+            parsed = JobSpec.model_validate_json(text) if env is None else JobSpec.model_validate(data)
             return self._specs.share(key, self._build(parsed.model_dump()))
         return self._specs.share(key, self._build(data))
 

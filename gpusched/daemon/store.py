@@ -140,13 +140,13 @@ class Store(StoreReader):
         """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
         history = _first_history(now, reason, hold)
         compact = self.compactor
-        env_text, env_key = compact.stored_env(spec.env)  # None: small, inline; else stored once, in envs
-        stored = spec.model_dump_json() if env_text is None else spec.model_dump_json(exclude={"env"})
+        apart = compact.stored_env(spec.env)  # (JSON, digest), stored once in envs; None: small, inline
+        stored = spec.model_dump_json() if apart is None else spec.model_dump_json(exclude={"env"})
         # Measured on the shared form the job will hold: the compactor's size table keeps what it
         # measures alive, and must not keep the request's own copy of every spec.
-        shared = compact.spec(spec, stored, env_key)
+        shared = compact.spec(spec, stored, None if apart is None else apart[1])
         with self._tx() as db:
-            env_id = None if env_text is None or env_key is None else store_env(db, env_text, env_key)
+            env_id = None if apart is None else store_env(db, *apart)
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes,"
                 " env_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

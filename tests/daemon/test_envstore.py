@@ -135,6 +135,20 @@ def test_a_schema_4_database_keeps_its_inline_environments(tmp_path: Path) -> No
     store.close()
 
 
+def test_a_row_of_an_older_shape_is_validated_with_its_named_environment(tmp_path: Path) -> None:
+    """A spec text the fast path does not take (a field missing, as an older version wrote it) goes
+    through the model, with the environment its row names: not the model's default, an empty one."""
+    path = str(tmp_path / "gpusched.db")
+    store = Store(path)
+    job = store.submit(uid=1, gid=1, user="u", spec=_spec("/a", BIG), now=1.0)
+    store._db.execute("UPDATE jobs SET spec = ?", (job.spec.model_dump_json(exclude={"env", "requeue"}),))
+    store.close()
+    store = Store(path)
+    loaded = store.get(job.id)
+    assert loaded is not None and loaded.spec == job.spec and loaded.spec.env == BIG
+    store.close()
+
+
 def test_a_row_naming_an_environment_the_database_lacks_is_reported(tmp_path: Path) -> None:
     path = str(tmp_path / "gpusched.db")
     store = Store(path)
