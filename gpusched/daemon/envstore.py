@@ -30,7 +30,6 @@ CACHE_SIZE = 1024  # environments a reader keeps parsed (a restart reads each di
 _ENV_JSON = SchemaSerializer(core_schema.dict_schema(core_schema.str_schema(), core_schema.str_schema()))
 
 
-
 class MissingEnvironment(Exception):
     """A job's row names an environment the database does not hold, or holds damaged."""
 

@@ -184,8 +184,9 @@ class Server:
             # Unwatched shims (no pidfd: out of descriptors) are checked on every event, and at
             # least once a second while there are any.
             timeout = 1.0 if self.unwatched else None
-            if self.refill_at is not None:
-                timeout = max(0.0, min(timeout if timeout is not None else 1.0, self.refill_at - time.monotonic()))
+            if self.refill_at is not None:  # and in time to fork the next spare
+                until_refill = max(0.0, self.refill_at - time.monotonic())
+                timeout = until_refill if timeout is None else min(timeout, until_refill)
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
                     self._serve_one()
