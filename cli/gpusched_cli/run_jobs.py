@@ -18,6 +18,12 @@ from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
 from gpusched_cli.options import CHOICE, FLAG, INT, Command, Option, Positional
 from gpusched_cli.results import reading
 
+TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+    from gpusched_cli.client import Client
+
 JobRef = tuple[int, int | None]  # (job or array id, task index or None)
 
 # The job arguments of show / logs / wait (one) and cancel / suspend / resume / hold / release (many):
@@ -115,23 +121,35 @@ def wait(target: Target, *, ref: JobRef, as_json: bool) -> None:
     job_id, task = ref
     with connected(target) as client:
         try:
-            while True:
-                result = client.request(messages.wait(job_id, 30.0, task=task))
-                with reading("wait", result):
-                    finished, job = bool(result["finished"]), result["job"]
-                if finished:
-                    break
+            job = wait_for(client, job_id, task)
         except KeyboardInterrupt:
             name = str(job_id) if task is None else f"{job_id}_{task}"
             echo(f"\nStopped waiting; job {name} keeps going (`gpusched cancel {name}` to stop it)", err=True)
             sys.exit(EXIT_INTERRUPTED)
-    with reading("wait", result):
+    exit_as_it_ended(job, as_json)
+
+
+def wait_for(client: Client, job_id: int, task: int | None = None) -> dict[str, Any]:
+    """Long-poll `wait` until the job is in a final state (a requeued job is waited through); its JSON."""
+    while True:
+        result = client.request(messages.wait(job_id, 30.0, task=task))
+        with reading("wait", result):
+            finished, job = bool(result["finished"]), result["job"]
+        if finished:
+            ended: dict[str, Any] = job
+            return ended
+
+
+def exit_as_it_ended(job: dict[str, Any], as_json: bool) -> NoReturn:
+    """How a job waited for ended (`wait`, `submit --wait`): with `as_json` the documented object on
+    stdout, else its final state on stderr; then exit with its exit status."""
+    with reading("wait", {"job": job, "finished": True}):
         status = job_exit_status(job)
         if as_json:
             print_json({"job_id": job["id"], "state": job["state"], "exit_code": job.get("exit_code"),
                         "signal": job.get("signal"), "exit_status": status}, compact=True)
         else:
-            from gpusched_cli.render import final_state_text
+            from gpusched_cli.render import final_state_text  # only a wait prints a job's ending
 
             echo(final_state_text(job), err=True)
     sys.exit(status)

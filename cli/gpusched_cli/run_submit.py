@@ -21,10 +21,11 @@ from gpusched.arrayspec import parse_array_spec
 from gpusched.wire import MIN_SHARE
 from gpusched_cli import messages, resubmit
 from gpusched_cli.common import Target, connected, echo, print_json
-from gpusched_cli.exits import EXIT_INTERRUPTED, job_exit_status
+from gpusched_cli.exits import EXIT_INTERRUPTED
 from gpusched_cli.options import CHOICE, FLAG, INT, Command, Option, Positional, UsageProblem
 from gpusched_cli.parse import parse_dependencies, parse_duration_s, parse_size_mib
 from gpusched_cli.results import reading
+from gpusched_cli.run_jobs import exit_as_it_ended, wait_for
 
 TYPE_CHECKING = False  # typing costs the fast path a few ms to import; mypy reads this as True
 if TYPE_CHECKING:
@@ -269,30 +270,8 @@ def send(target: Target, job: Prepared) -> None:
                 echo(f"Submitted job {job_id}")
             if not job.wait:
                 return
-            finished = _wait_for(client, job_id)
+            finished = wait_for(client, job_id)
         except KeyboardInterrupt:
             echo(f"\nStopped waiting; job {job_id} keeps running (`gpusched cancel {job_id}` to stop it)", err=True)
             sys.exit(EXIT_INTERRUPTED)
-    with reading("wait", {"job": finished, "finished": True}):
-        status = job_exit_status(finished)
-        if job.as_json:
-            print_json(
-                {"job_id": finished["id"], "state": finished["state"], "exit_code": finished.get("exit_code"),
-                 "signal": finished.get("signal"), "exit_status": status},
-                compact=True,
-            )
-        else:
-            from gpusched_cli.render import final_state_text  # only --wait prints a job's ending
-
-            echo(final_state_text(finished), err=True)
-    sys.exit(status)
-
-
-def _wait_for(client: Client, job_id: int) -> dict[str, Any]:
-    """Long-poll `wait` until the job is in a final state (a requeued job is waited through)."""
-    while True:
-        result = client.request(messages.wait(job_id, 30.0))
-        with reading("wait", result):
-            if result["finished"]:
-                job: dict[str, Any] = result["job"]
-                return job
+    exit_as_it_ended(finished, job.as_json)
