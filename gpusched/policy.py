@@ -64,6 +64,23 @@ class Incremental(Protocol):
 
 
 @runtime_checkable
+class SubmitsMany(Protocol):
+    """An Incremental policy that takes many jobs at once (a restart's whole queue) as it would take each
+    in turn, only faster; the engine submits them one by one to a policy without it."""
+
+    def submit_many(self, jobs: list[Job]) -> None: ...
+
+
+def submit_all(queue: Incremental, jobs: list[Job]) -> None:
+    """Tell an Incremental policy of `jobs`, all now PENDING: at once where it can take them so."""
+    if isinstance(queue, SubmitsMany):
+        queue.submit_many(jobs)
+    else:
+        for job in jobs:
+            queue.submit(job)
+
+
+@runtime_checkable
 class Explains(Protocol):
     """`gpusched show` / `queue` say why a pending job waits in the policy's own words."""
 

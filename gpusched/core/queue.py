@@ -163,13 +163,7 @@ class RunQueue:
 
     def submit(self, job: Job) -> None:
         """Add a pending job (idempotent: a job already held is replaced)."""
-        job_id = shared_id(job)
-        if job_id in self._jobs:
-            self.remove(job_id)
-        self._jobs[job_id] = job
-        self._count_demand(job, 1)
-        key = job_key(job, self._expected_of(job))
-        self._keys[job_id] = key
+        key = self._file(job)
         uq = self._users.get(job.user)
         if uq is None:
             uq = _UserQueue(SortedList())
@@ -179,6 +173,41 @@ class RunQueue:
         self._versions[job.user] = self._versions.get(job.user, 0) + 1
         if head_before is None or uq.jobs[0] != head_before:
             self.rekey(job.user)
+
+    def submit_many(self, jobs: list[Job]) -> None:
+        """What `submit` of each job in turn leaves (a job given twice: its last copy), each user's new
+        jobs sorted once and the user re-keyed once: a restart hands over its whole queue at once."""
+        latest = {shared_id(job): job for job in jobs}
+        by_user: dict[str, list[JobKey]] = {}
+        for job in latest.values():
+            key = self._file(job)
+            keys = by_user.get(job.user)
+            if keys is None:
+                keys = by_user[job.user] = []
+            keys.append(key)
+        for user, keys in by_user.items():
+            uq = self._users.get(user)
+            if uq is None:
+                uq = self._users[user] = _UserQueue(SortedList(keys))
+                head_before = None
+            else:
+                head_before = uq.jobs[0] if uq.jobs else None
+                uq.jobs.update(keys)
+            self._versions[user] = self._versions.get(user, 0) + 1
+            if head_before is None or uq.jobs[0] != head_before:
+                self.rekey(user)
+
+    def _file(self, job: Job) -> JobKey:
+        """Enter a job in the tables (replacing an earlier copy) and return its key in its user's queue,
+        for the caller to add there."""
+        job_id = shared_id(job)
+        if job_id in self._jobs:
+            self.remove(job_id)
+        self._jobs[job_id] = job
+        self._count_demand(job, 1)
+        key = job_key(job, self._expected_of(job))
+        self._keys[job_id] = key
+        return key
 
     def remove(self, job_id: int, *, rekey: bool = True) -> Job | None:
         """Drop a job (started, cancelled, held, failed). Returns it, or None if unknown.

@@ -178,24 +178,30 @@ class Scheduler(PersistMixin):
 
     def submit(self, job: Job) -> None:
         """A job became PENDING (submitted, released from HELD, requeued after preemption)."""
+        if self._admit(job):
+            self.queue.submit(job)
+
+    def submit_many(self, jobs: list[Job]) -> None:
+        """What `submit` of each job in turn does, the queue sorted once (a restart's whole queue)."""
+        self.queue.submit_many([job for job in jobs if self._admit(job)])
+
+    def _admit(self, job: Job) -> bool:
+        """A job's entry in everything but the queue; False if it is not to be queued (it cannot run here)."""
         if job.id in self._failed:
-            return
+            return False
         job_id = shared_id(job)  # the job's own int object: one entry per queued job (queue.shared_id)
         if self._shape is None:  # node not seen yet: the first plan checks every queued job
             self._pending_since.setdefault(job_id, pending_since(job))  # its history: a restart keeps the wait
-            self.queue.submit(job)
-            if job.spec.job_class == "interactive":
-                self._interactive_pending[job.id] = request_fraction(job.spec.request)
-            return
-        reason = self._unsat(job)
-        if reason is not None:
-            self._failed[job.id] = reason
-            self._to_fail.append(FailJob(job.id, f"unsatisfiable: {reason}"))
-            return
-        self._pending_since.setdefault(job_id, max(pending_since(job), self._last_now))
-        self.queue.submit(job)
+        else:
+            reason = self._unsat(job)
+            if reason is not None:
+                self._failed[job.id] = reason
+                self._to_fail.append(FailJob(job.id, f"unsatisfiable: {reason}"))
+                return False
+            self._pending_since.setdefault(job_id, max(pending_since(job), self._last_now))
         if job.spec.job_class == "interactive":
             self._interactive_pending[job.id] = request_fraction(job.spec.request)
+        return True
 
     def remove(self, job_id: int) -> None:
         """A job left PENDING other than by our StartJob (cancelled, held, failed elsewhere)."""

@@ -41,6 +41,17 @@ DEFAULT_CAPACITY = 4096
 
 _SPEC_FIELDS = frozenset(JobSpec.model_fields)
 _SPEC_ORDER = tuple(JobSpec.model_fields)
+_REST_ORDER = _SPEC_ORDER[1:]  # every field but argv, which comes first
+# A stored spec is pydantic's JSON of it, fields in declaration order, argv first. Inside a JSON string
+# a `"` is always escaped, so the first `],"cwd":` of the text is where argv ends, whatever argv
+# holds; a text shaped otherwise (another version's) is parsed whole (Compactor._from_parts).
+_ARGV_HEAD = '{"argv":['
+_ARGV_END = '],"cwd":'
+# What follows argv is kept parsed (a _Pool) only up to this many characters: a sweep's jobs differ
+# in argv alone, and their shared rest is short (an environment of more than envstore.INLINE_MAX
+# bytes is stored apart); a longer rest is parsed with its job, so the pool holds at most
+# capacity x this many characters.
+_REST_MAX = 1024
 _REQUEST_TYPES: dict[str, type[WholeRequest] | type[MigRequest] | type[ShareRequest] | type[PartitionRequest]] = {
     "whole": WholeRequest, "mig": MigRequest, "share": ShareRequest, "partition": PartitionRequest,
 }
@@ -107,6 +118,9 @@ class Compactor:
         self._sizes: _Pool[int, tuple[JobSpec, int]] = _Pool(capacity)
         self._columns: _Pool[int, tuple[JobSpec, tuple[str, str, int]]] = _Pool(capacity)
         self._stored_envs: _Pool[int, tuple[dict[str, str], tuple[bytes, bytes] | None]] = _Pool(capacity)
+        # A stored spec's text after its argv (with its environment's digest, if that is apart) -> every
+        # field but argv, parsed and shared; None: that text is not of today's shape.
+        self._rests: _Pool[str | tuple[str, bytes], dict[str, Any] | None] = _Pool(capacity)
 
     def stored_env(self, env: dict[str, str]) -> tuple[bytes, bytes] | None:
         """How `env` is stored apart (envstore.py): (its JSON, its digest), or None inline; worked
@@ -164,6 +178,9 @@ class Compactor:
         if found is not None:
             self._specs.move_to_end(key)
             return found
+        fast = self._from_parts(text, env)
+        if fast is not None:
+            return self._specs.share(key, fast)
         try:
             # pydantic's own parser, 2.7x json.loads on a spec (a restart parses 100k of them);
             # only keys are worth caching: values are what makes specs distinct.
@@ -179,12 +196,58 @@ class Compactor:
             return self._specs.share(key, self._build(parsed.model_dump()))
         return self._specs.share(key, self._build(data))
 
+    def _from_parts(self, text: str, env: tuple[dict[str, str], bytes] | None) -> JobSpec | None:
+        """A stored spec whose argv is all that differs from others already loaded (a sweep submitted job
+        by job): argv parsed on its own, the rest of the text parsed once and shared. None: the text is
+        not of today's shape, or too long a rest to keep; the caller parses it whole."""
+        end = text.find(_ARGV_END)
+        if end < 0 or not text.startswith(_ARGV_HEAD) or len(text) - end > _REST_MAX:
+            return None
+        rest = text[end + 2 :]  # from `"cwd":` to the closing brace
+        rest_key = rest if env is None else (rest, env[1])
+        if rest_key in self._rests:
+            shared = self._rests[rest_key]
+        else:
+            shared = self._rests.share(rest_key, self._parse_rest(rest, env))
+        if shared is None:
+            return None
+        try:
+            argv = from_json(text[len(_ARGV_HEAD) - 1 : end + 1])
+        except ValueError:
+            return None
+        if type(argv) is not list or not argv:
+            return None
+        return construct(JobSpec, _SPEC_SET, {"argv": self._argvs.share(tuple(argv), argv), **shared})
+
+    def _parse_rest(self, rest: str, env: tuple[dict[str, str], bytes] | None) -> dict[str, Any] | None:
+        """Every field of a stored spec but argv, from the text after it, shared as _build shares them;
+        None unless of exactly today's shape (the whole text then goes through pydantic)."""
+        try:
+            data = from_json("{" + rest, cache_strings="keys")
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        if env is not None:
+            data["env"] = env[0]
+        data["argv"] = ["-"]  # (checked and built with a stand-in, dropped below)
+        if data.keys() != _SPEC_FIELDS or not _plain(data):
+            return None
+        built = self._shared_parts(data)
+        return {name: built[name] for name in _REST_ORDER}
+
     def _build(self, data: dict[str, Any]) -> JobSpec:
-        env: dict[str, str] = data["env"]
         argv: list[str] = data["argv"]
+        data = self._shared_parts(data)
+        data["argv"] = self._argvs.share(tuple(argv), argv)
+        return construct(JobSpec, _SPEC_SET, {name: data[name] for name in _SPEC_ORDER})
+
+    def _shared_parts(self, data: dict[str, Any]) -> dict[str, Any]:
+        """`data` (a spec's fields, plain) with its environment, cwd, name, request and dependencies
+        replaced by shared objects; argv is left as it is."""
+        env: dict[str, str] = data["env"]
         request: dict[str, Any] = data["request"]
         data["env"] = self._envs.share(tuple(env.items()), env)
-        data["argv"] = self._argvs.share(tuple(argv), argv)
         data["cwd"] = self.text(data["cwd"])
         if data["name"] is not None:
             data["name"] = self.text(data["name"])
@@ -198,7 +261,7 @@ class Compactor:
         data["after"] = _EMPTY_AFTER if not after else [
             construct(Dependency, _DEPENDENCY_SET, {"job_id": d["job_id"], "condition": d["condition"]}) for d in after
         ]
-        return construct(JobSpec, _SPEC_SET, {name: data[name] for name in _SPEC_ORDER})
+        return data
 
     def job(self, *, id: int, uid: int, gid: int, user: str, spec: JobSpec, state: JobState,
             submitted_at: float, started_at: float | None = None, ended_at: float | None = None,

@@ -53,7 +53,7 @@ from gpusched.model import (
     JobState,
     pending_since,
 )
-from gpusched.policy import Pins, Policy
+from gpusched.policy import Pins, Policy, submit_all
 
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
 log = logging.getLogger("gpusched.engine")
@@ -238,9 +238,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         if self.config.mode == "slurm-node":
             self._fail_local_queue()  # Slurm owns this node's queue: one source of truth per GPU
             return
+        ready: list[Job] = []  # handed over at once below (policy.submit_all)
         for job in sorted(self.jobs.values(), key=lambda j: j.id):
             if job.state is JobState.PENDING:
-                self._enqueue(job)
+                self._enqueue(job, ready)
             elif self.checkpoints.holds(job) and (queue := self._queue) is not None:
                 if isinstance(self.scheduler, Pins):
                     self.scheduler.pin(job.id, self.checkpoints.resume_devices(job.id, self.inventory))
@@ -248,6 +249,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
             elif job.id in self.checkpoints.saved and job.state is JobState.SUSPENDED:
                 self._spawn(self._restore(job), gpu_state=True)  # the daemon stopped while restoring it: finish that
                 continue
+        if ready and (queue := self._queue) is not None:
+            submit_all(queue, ready)
         for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.saved)
                        if j is None or j.state is not JobState.SUSPENDED]:
             self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down

@@ -175,15 +175,19 @@ class EngineCore:
             and dep.job_id in self.store.arrays([dep.job_id]))
         return f"array {dep.job_id}" if is_array else f"job {dep.job_id}"
 
-    def _enqueue(self, job: Job) -> None:
+    def _enqueue(self, job: Job, batch: list[Job] | None = None) -> None:
         """A job became PENDING: the scheduler gets it once its dependencies are met (and, for a task of
-        an array with %MAX, once fewer than MAX of its array's tasks are queued or running)."""
+        an array with %MAX, once fewer than MAX of its array's tasks are queued or running). With
+        `batch`, a ready job is added to it instead, for the caller to hand over with the others."""
         queue = self._queue
         if not self.arrays.admit(job) or queue is None:
             return
         if self._ready(job):
             self._awaiting_deps.discard(job.id)
-            queue.submit(job)
+            if batch is None:
+                queue.submit(job)
+            else:
+                batch.append(job)
         else:
             self._awaiting_deps.add(job.id)
 

@@ -16,7 +16,7 @@ from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Trace
 from gpusched.daemon.launch import describe, gpu_memory_by_job
 from gpusched.daemon.procfs import is_running, session_states
-from gpusched.daemon.recovery import StopRequest, Verdict, decide, fallback, outcome
+from gpusched.daemon.recovery import QUIET_UNLAUNCHED, StopRequest, Verdict, decide, fallback, outcome
 from gpusched.gpu.backend import GpuError
 from gpusched.model import (
     ACTIVE_STATES,
@@ -82,7 +82,10 @@ class RecoveryMixin(EngineCore):
                 log.info("quit %d MPS control daemon(s) whose shares ended while gpuschedd was down", strays)
         was_active = [job.id for job in self.active_jobs()]
         for job in list(self.jobs.values()):
-            self._recover_job(job, None if job.id in launched else NEVER_LAUNCHED)
+            if job.id in launched:
+                self._recover_job(job)
+            elif job.state not in QUIET_UNLAUNCHED:
+                self._recover_job(job, NEVER_LAUNCHED)
         for job_id in was_active:  # ended while no daemon ran: their users are charged the downtime too
             ended = self.jobs.get(job_id) or self.store.get(job_id)
             if ended is not None and ended.state in TERMINAL_STATES and isinstance(self.scheduler, ChargesDowntime):

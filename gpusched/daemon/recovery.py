@@ -17,7 +17,7 @@ import signal
 from dataclasses import dataclass
 from enum import Enum
 
-from gpusched.daemon.executor import ExitStatus, Record, Trace
+from gpusched.daemon.executor import NEVER_LAUNCHED, ExitStatus, Record, Trace
 from gpusched.model import TERMINAL_STATES, TRANSITIONS, JobState
 
 
@@ -73,6 +73,12 @@ def decide(state: JobState, trace: Trace) -> Rule:
     if trace.shim is Record.TORN:
         return Rule(Verdict.LOST, "its supervisor is gone and its record (shim.json) is unreadable")
     return Rule(Verdict.LOST, "job ended while the daemon was down and left no exit status")
+
+
+# States in which a job that never launched (no job directory) is left as it is by its rule: a restart
+# with 100k queued jobs passes over them without asking `decide` of each (the rule stays the one above).
+QUIET_UNLAUNCHED: frozenset[JobState] = frozenset(
+    state for state in JobState if decide(state, NEVER_LAUNCHED) == Rule(Verdict.KEEP))
 
 
 def outcome(status: ExitStatus, stop: StopRequest | None) -> tuple[JobState, str]:

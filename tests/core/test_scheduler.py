@@ -473,3 +473,53 @@ def test_the_saved_preemption_count_of_a_job_cancelled_after_its_requeue_is_drop
         n.now += 60
         n.step()
     assert str(victim) not in n.sched.export_preemptions()["times"], n.sched.export_preemptions()
+
+
+_queued = st.tuples(
+    st.integers(1, 30),  # id: some given twice, as a restart's list never has but submit_many allows
+    st.sampled_from(["a", "b", "c"]),
+    st.integers(1, 2),
+    st.integers(0, 3),  # nice
+    st.floats(0, 1000),  # submitted
+    st.sampled_from([None, 60.0, 3000.0]),
+    st.sampled_from(["batch", "interactive"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=st.lists(_queued, max_size=8), batch=st.lists(_queued, min_size=1, max_size=30),
+       node_seen=st.booleans())
+def test_submitting_many_at_once_is_submitting_each_in_turn(
+    before: list[tuple[int, str, int, int, float, float | None, str]],
+    batch: list[tuple[int, str, int, int, float, float | None, str]], node_seen: bool,
+) -> None:
+    """A restart hands its whole queue over with submit_many (each user's jobs sorted once): the same
+    order, waits and decisions as submitting them one by one, onto a queue already holding some."""
+    def make(spec: tuple[int, str, int, int, float, float | None, str]) -> Any:
+        jid, user, gpus, nice, submitted, limit, job_class = spec
+        return job(jid, user, gpus=gpus, nice=nice, submitted=submitted, time_limit=limit, job_class=job_class)
+
+    gpus = (gpu(0), gpu(1))
+    nodes = []
+    for at_once in (False, True):
+        sched = Scheduler()
+        if node_seen:
+            sched.plan(Snapshot(gpus=gpus, pending=(), active=()), 0.0)
+        for spec in before:
+            sched.submit(make(spec))
+        jobs = [make(spec) for spec in batch]
+        if at_once:
+            sched.submit_many(jobs)
+        else:
+            for each in jobs:
+                sched.submit(each)
+        nodes.append(sched)
+    one_by_one, at_once = nodes
+    assert at_once.fairness_order() == one_by_one.fairness_order()
+    assert at_once._pending_since == one_by_one._pending_since
+    assert at_once._interactive_pending == one_by_one._interactive_pending
+    assert {u: list(at_once.queue.jobs_of(u)) for u in "abc"} == {u: list(one_by_one.queue.jobs_of(u)) for u in "abc"}
+    assert at_once.queue.largest_whole() == one_by_one.queue.largest_whole()
+    assert at_once.queue._order == one_by_one.queue._order  # every user's place (deadline, user)
+    snap = Snapshot(gpus=gpus, pending=(), active=())
+    assert at_once.plan(snap, 2000.0) == one_by_one.plan(snap, 2000.0)

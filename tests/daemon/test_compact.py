@@ -138,3 +138,44 @@ def test_spec_bytes_are_counted_once_per_shared_spec_and_right_for_each() -> Non
     for spec in specs * 2:  # the third evicts the first: sizes stay right after eviction
         assert compactor.spec_bytes(spec) == spec_bytes(spec)
     assert len(compactor._sizes) == 2
+
+
+_tricky_argv = st.lists(st.one_of(_text, st.sampled_from(['],"cwd":"/x"', '\\', '"', '\\"],"cwd":', '{"argv":[', ']'])),
+                        min_size=1, max_size=4)
+
+
+@settings(max_examples=200)
+@given(spec=_specs, argv=_tricky_argv, env_apart=st.booleans())
+def test_a_spec_parsed_apart_from_its_argv_is_the_spec_validation_builds(spec: JobSpec, argv: list[str],
+                                                                          env_apart: bool) -> None:
+    """A restart parses a sweep's specs by argv alone, the rest once (Compactor._from_parts): whatever
+    argv holds (quotes, backslashes, the very text that marks its end), the spec is exactly the one
+    pydantic validates from the stored text, after one with the same rest and another argv too."""
+    compactor = Compactor()
+    other = spec.model_copy(update={"argv": argv})
+    for each in (spec, other):
+        if env_apart:
+            stored = each.model_dump_json(exclude={"env"})
+            loaded = compactor.spec_from_json(stored, (each.env, b"digest"))
+        else:
+            stored = each.model_dump_json()
+            loaded = compactor.spec_from_json(stored)
+        assert loaded == each and loaded.model_dump_json() == each.model_dump_json()
+        assert JobSpec.model_validate(loaded.model_dump()) == loaded
+    first, second = (compactor.spec_from_json(s.model_dump_json()) for s in (spec, other))
+    assert first.request is second.request and first.env is second.env  # the rest is shared
+    # ... and it was parsed apart: a spec of today's shape never needs the whole-text path
+    assert Compactor()._from_parts(other.model_dump_json(), None) == other
+
+
+def test_a_stored_spec_of_another_shape_is_not_split_at_argv() -> None:
+    """Texts a version with another field order might have written: parsed whole, never misread."""
+    compactor = Compactor()
+    spec = JobSpec(argv=["a", "b"], cwd="/w", request=WholeRequest(gpus=1), after=[Dependency(job_id=3)])
+    fields = json.loads(spec.model_dump_json())
+    reordered = {"argv": fields["argv"], "after": fields["after"], **{k: v for k, v in fields.items()
+                                                                      if k not in ("argv", "after")}}
+    for text in (json.dumps(reordered, separators=(",", ":")), json.dumps(fields)):  # (and with spaces)
+        assert compactor._from_parts(text, None) is None
+        assert compactor.spec_from_json(text) == spec
+    assert compactor._from_parts(spec.model_dump_json(), None) == spec
