@@ -25,6 +25,11 @@ from gpusched.model import Event
 log = logging.getLogger("gpusched.devices")
 
 _DRAINED_KEY = "drained_devices"
+# How long one wait for a GPU event lasts. NVML's (and amdsmi's) wait cannot be interrupted, and the
+# driver must not be shut down under it, so a daemon's stop waits for the wait under way to return:
+# this bounds that (it was 500 ms, half a second of every stop and restart). Ten returns a second
+# with no event cost nothing measurable.
+EVENT_WAIT_MS = 100
 
 
 class DeviceError(Exception):
@@ -56,7 +61,7 @@ class DeviceManager:
         def watch() -> None:
             while not self._stop.is_set():
                 try:
-                    event = self.backend.wait_event(500)
+                    event = self.backend.wait_event(EVENT_WAIT_MS)
                 except GpuError as exc:
                     log.error("GPU event wait failed: %s", exc.message)
                     self._stop.wait(5.0)
