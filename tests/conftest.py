@@ -43,14 +43,26 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
         time.sleep(interval)
 
 
+_SHORT_TMPDIRS: list[str] = []  # removed when the session ends (pytest_sessionfinish), whoever made them
+
+
 def short_tmpdir() -> str:
     """AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer.
 
-    Mode 0755 so that clients running as other uids (identity tests) can reach the socket.
+    Mode 0755 so that clients running as other uids (identity tests) can reach the socket. Removed at
+    the end of the session, not of the test: a module's cluster may live in one across its tests.
     """
     path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
     os.chmod(path, 0o755)
+    _SHORT_TMPDIRS.append(path)
     return path
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every short_tmpdir the tests made, with what their daemons and jobs left in it (each fixture that
+    starts a daemon has stopped it and killed its jobs by now)."""
+    for path in _SHORT_TMPDIRS:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def inprocess_config(base: str, **overrides: Any) -> DaemonConfig:
