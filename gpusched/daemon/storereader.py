@@ -6,6 +6,7 @@ connection of its own in a worker thread); store.py writes, on the daemon's one 
 
 from __future__ import annotations
 
+import heapq
 import os
 import sqlite3
 import urllib.parse
@@ -55,9 +56,10 @@ _LOAD_CHUNK = 500  # rows read at a time when loading many jobs (at most SQLite'
 
 _SUMMARY_COLUMNS = ("id, uid, user, state, submitted_at, started_at, ended_at, exit_code, reason, allocation, "
                     "display, request, array_id, array_task")
-# An array task's spec is its array's (jobs.spec is '' for tasks), whose environment is inline.
-_SPEC = ("CASE WHEN array_id IS NULL THEN spec ELSE (SELECT a.spec FROM arrays a WHERE a.id = jobs.array_id) END, "
-         "CASE WHEN array_id IS NULL THEN env_id END")
+# An array task's spec is its array's (jobs.spec is '' for tasks), whose environment is inline: read
+# once per chunk of rows for the arrays they name (_array_specs), as SQLite's own lookup for every row
+# cost a sixth of reading 100k jobs even when none was a task.
+_SPEC = "spec, env_id"
 
 
 class StoreReader(ArrayReads):
@@ -84,9 +86,11 @@ class StoreReader(ArrayReads):
 
     def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
         """Jobs in the given states, in submission order (the order pending jobs were acknowledged)."""
-        names = [s.value for s in states]
-        marks = ", ".join("?" for _ in names)
-        return list(self._select(f"WHERE state IN ({marks}) ORDER BY id", tuple(names)))
+        # One state at a time, merged: each comes in id order off the state index, where `state IN (...)
+        # ORDER BY id` had SQLite sort every row, specs and all, in a temporary B-tree (a third of the
+        # reading at 100k queued jobs).
+        per_state = [self._select("WHERE state = ? ORDER BY id", (s.value,)) for s in sorted(set(states))]
+        return list(heapq.merge(*per_state, key=_job_id))
 
     def jobs_touching(self, since: float, *, with_spec: bool = True) -> list[Job]:
         """Jobs not finished before `since` (unfinished ones included), in submission order.
@@ -145,14 +149,27 @@ class StoreReader(ArrayReads):
         histories = self._histories([r[0] for r in rows])
         compact = self.compactor  # an array's tasks share one spec: the text is its array's, the same for all
         envs = self.envs
+        arrays = self._array_specs({r[15] for r in rows if r[15] is not None}) if with_spec else {}
         for r in rows:
-            spec = NO_SPEC if not with_spec else compact.spec_from_json(r[4], None if r[5] is None else envs.get(r[5]))
+            if not with_spec:
+                spec = NO_SPEC
+            elif r[15] is not None:
+                spec = compact.spec_from_json(arrays[r[15]])
+            else:
+                spec = compact.spec_from_json(r[4], None if r[5] is None else envs.get(r[5]))
             yield compact.job(
                 id=r[0], uid=r[1], gid=r[2], user=r[3], spec=spec, state=_STATES[r[6]],
                 submitted_at=r[7], started_at=r[8], ended_at=r[9], exit_code=r[10], signal=r[11], reason=r[12],
                 allocation=Allocation.model_validate_json(r[13]) if r[13] else None, pid=r[14],
                 history=histories.get(r[0], []), array_id=r[15], array_task=r[16],
             )
+
+    def _array_specs(self, ids: set[int]) -> dict[int, str]:
+        """Array id -> the stored spec its tasks share."""
+        if not ids:
+            return {}
+        marks = ", ".join("?" for _ in ids)
+        return dict(self._db.execute(f"SELECT id, spec FROM arrays WHERE id IN ({marks})", tuple(ids)).fetchall())
 
     def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
         out: dict[int, list[Transition]] = {}
@@ -178,6 +195,10 @@ class StoreReader(ArrayReads):
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
+
+
+def _job_id(job: Job) -> int:
+    return job.id
 
 
 def _listing_filter(*, after_id: int | None, user: str | None, finished: bool, tasks: bool) -> tuple[str, list[Any]]:

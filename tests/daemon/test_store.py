@@ -174,3 +174,25 @@ def test_a_change_whose_commit_fails_leaves_no_transaction_open(tmp_path: Path) 
     store.set_meta("after", "works")
     assert store.get_meta("after") == "works"
     assert store._db.execute("SELECT COUNT(*) FROM transitions").fetchone()[0] == 0
+
+
+def test_jobs_in_several_states_come_back_in_submission_order_with_their_histories(tmp_path: Path) -> None:
+    """A restart loads each state off its index and merges them: the order is still the ids'."""
+    store = Store(str(tmp_path / "state.db"))
+    states = [JobState.PENDING, JobState.HELD, JobState.STARTING, JobState.PENDING, JobState.HELD,
+              JobState.COMPLETED, JobState.STARTING, JobState.PENDING]
+    ids = []
+    for i, state in enumerate(states):
+        job = store.submit(uid=1000, gid=1000, user="alice", spec=_spec(f"p{i}"), now=float(i),
+                           hold=state is JobState.HELD)
+        if state in (JobState.STARTING, JobState.COMPLETED):
+            job = store.transition(job, JobState.STARTING, now=i + 0.5, reason="placed")
+        if state is JobState.COMPLETED:
+            job = store.transition(job, JobState.RUNNING, now=i + 0.6, reason="started")
+            job = store.transition(job, JobState.COMPLETED, now=i + 0.7, reason="exit 0")
+        ids.append(job.id)
+    store.close()
+    loaded = Store(str(tmp_path / "state.db")).jobs_in([JobState.STARTING, JobState.HELD, JobState.PENDING])
+    assert [j.id for j in loaded] == [i for i, s in zip(ids, states, strict=True) if s is not JobState.COMPLETED]
+    assert [j.spec.argv[0] for j in loaded] == [f"p{i}" for i, s in enumerate(states) if s is not JobState.COMPLETED]
+    assert all(j.history[-1].state is j.state for j in loaded)
