@@ -98,6 +98,21 @@ class Store(StoreReader):
             self._commit()
 
     @contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """Changes committed without an fsync of their own, for what no client was told of: they are
+        made durable by the next ordinary commit (the WAL's fsync covers every frame before it, and a
+        power loss can only cut the WAL at a frame, never reorder it) and survive a kill -9 meanwhile
+        (the page cache holds them). Inside a transaction already, they simply join it."""
+        if self._db.in_transaction:
+            yield
+            return
+        self._db.execute("PRAGMA synchronous=OFF")
+        try:
+            yield
+        finally:
+            self._db.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
     def batch_or_nothing(self) -> Iterator[None]:
         """Many changes, one COMMIT, and no savepoint per change (two statements fewer each: a fifth
         of a submit's SQL): an exception out of the block rolls every change back and is re-raised.

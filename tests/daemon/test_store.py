@@ -196,3 +196,27 @@ def test_jobs_in_several_states_come_back_in_submission_order_with_their_histori
     assert [j.id for j in loaded] == [i for i, s in zip(ids, states, strict=True) if s is not JobState.COMPLETED]
     assert [j.spec.argv[0] for j in loaded] == [f"p{i}" for i, s in enumerate(states) if s is not JobState.COMPLETED]
     assert all(j.history[-1].state is j.state for j in loaded)
+
+
+def test_unsynced_changes_commit_without_an_fsync_and_leave_the_next_ones_durable(tmp_path: Path) -> None:
+    """`unsynced` turns SQLite's fsync off for its own commits only: what it wrote is committed (another
+    connection reads it), every later commit is FULL again (also after a failure), and inside an open
+    transaction it changes nothing."""
+    store = Store(str(tmp_path / "state.db"))
+    level = lambda: store._db.execute("PRAGMA synchronous").fetchone()[0]  # noqa: E731 - 0 OFF, 2 FULL
+    assert level() == 2
+    with store.unsynced():
+        assert level() == 0
+        store.set_meta("standing", "1")
+    assert level() == 2
+    other = sqlite3.connect(str(tmp_path / "state.db"))
+    assert other.execute("SELECT value FROM meta WHERE key = 'standing'").fetchone() == ("1",)
+    with pytest.raises(RuntimeError), store.unsynced():
+        raise RuntimeError("a failed save")
+    assert level() == 2
+    with store.batch(), store.unsynced():
+        assert level() == 2  # (the batch's COMMIT is an ordinary one)
+        store.set_meta("standing", "2")
+    assert other.execute("SELECT value FROM meta WHERE key = 'standing'").fetchone() == ("2",)
+    other.close()
+    store.close()
