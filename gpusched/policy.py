@@ -73,11 +73,21 @@ class SubmitsMany(Protocol):
 
 def submit_all(queue: Incremental, jobs: list[Job]) -> None:
     """Tell an Incremental policy of `jobs`, all now PENDING: at once where it can take them so."""
-    if isinstance(queue, SubmitsMany):
+    if isinstance(queue, SubmitsMany) and _submit_many_is_current(type(queue)):
         queue.submit_many(jobs)
     else:
         for job in jobs:
             queue.submit(job)
+
+
+def _submit_many_is_current(cls: type) -> bool:
+    """Whether `submit_many` is defined where `submit` is, or below: a plug-in that subclasses the
+    built-in scheduler and overrides only `submit` must see every job through its own `submit`."""
+    def owner(name: str) -> type | None:
+        return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+    many, one = owner("submit_many"), owner("submit")
+    return many is not None and one is not None and issubclass(many, one)
 
 
 @runtime_checkable

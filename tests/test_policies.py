@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -177,3 +178,39 @@ def test_the_example_passes_the_linters() -> None:
         res = subprocess.run([str(Path(sys.executable).parent / tool[0]), *tool[1:], str(EXAMPLES)],
                              capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_restart_hands_its_queue_over_at_once_only_through_a_submit_many_of_the_same_class() -> None:
+    """submit_all: a policy whose submit_many was written with its submit takes the queue in one call;
+    one that overrides only submit (a plug-in subclassing the built-in) sees every job through it."""
+    from gpusched.policy import submit_all
+
+    calls: list[tuple[str, list[int]]] = []
+
+    class Many:
+        incremental = True
+
+        def submit(self, job: Any) -> None:
+            calls.append(("submit", [job]))
+
+        def remove(self, job_id: int) -> None: ...
+
+        def submit_many(self, jobs: list[Any]) -> None:
+            calls.append(("submit_many", list(jobs)))
+
+    class OverridesSubmit(Many):
+        def submit(self, job: Any) -> None:
+            calls.append(("own submit", [job]))
+
+    class OverridesBoth(OverridesSubmit):
+        def submit_many(self, jobs: list[Any]) -> None:
+            calls.append(("own submit_many", list(jobs)))
+
+    for policy, expected in ((Many(), [("submit_many", [1, 2])]),
+                             (OverridesSubmit(), [("own submit", [1]), ("own submit", [2])]),
+                             (OverridesBoth(), [("own submit_many", [1, 2])])):
+        calls.clear()
+        submit_all(policy, [1, 2])  # type: ignore[list-item]
+        assert calls == expected, type(policy).__name__
+    from gpusched.policy import _submit_many_is_current
+    assert _submit_many_is_current(Scheduler)  # the built-in, compiled or not
