@@ -88,12 +88,8 @@ def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
     """In the forked child: drop everything of the fork server, then be the shim. Never returns."""
 
     def work() -> int:
-        os.setsid()
-        null_fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null_fd, 0)  # replaces the channel: a shim cannot talk to the daemon's fork server
         os.dup2(report_fd, 1)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # other shims' pidfds, the report fd's copy
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _leave_server()  # (and the report fd's copy)
         _set_comm("gpusched-shim")
         return int(shim.run(job_dir))
 
@@ -104,13 +100,7 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
     """In the forked child: a shim that waits for its job on `channel`. Never returns."""
 
     def work() -> int:
-        os.setsid()
-        null_fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null_fd, 0)  # replaces the daemon's channel, as for a shim forked on request
-        keep = channel.fileno()
-        os.closerange(3, keep)  # other shims' pidfds; only its own socketpair stays
-        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _leave_server(keep=channel.fileno())  # only its own socketpair stays
         _set_comm("gpusched-spare")
         subreaper = shim.prepare()
         data, fds = receive(channel)
@@ -123,6 +113,21 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
         return int(shim.run(job_dir, subreaper))
 
     _exit_with(work)
+
+
+def _leave_server(keep: int | None = None) -> None:
+    """In a forked child: a session of its own, and nothing of the fork server's but 1, 2 and `keep`:
+    0 becomes /dev/null (it was the channel: a shim cannot talk to the daemon's fork server), and
+    the rest (other shims' pidfds) is closed; SIGCHLD is the default again."""
+    os.setsid()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    top = os.sysconf("SC_OPEN_MAX")
+    if keep is None:
+        os.closerange(3, top)
+    else:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, top)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def _exit_with(work: Callable[[], int]) -> NoReturn:
