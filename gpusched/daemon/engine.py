@@ -271,12 +271,11 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         actions = self.scheduler.plan(self.snapshot(), self.clock())
         # (after a job's end too: the pass settled its charge, which a kill -9 must not lose)
         if actions or self.ended_unsaved or self.passes % 30 == 0:
-            # Before the starts, which the standing charges; their STARTING commits make it durable,
-            # so it needs no fsync of its own then (one of three on each start's path).
+            # With starts, which the standing charges: it rides on their STARTING commits (durable
+            # with them, and no COMMIT of its own on each start's path); else a COMMIT of its own.
             starts = any(isinstance(a, StartJob) for a in actions)
             try:
-                with self.store.unsynced() if starts else contextlib.nullcontext():
-                    self._persist_standing()
+                self._persist_standing(with_next_commit=starts)
             except Exception:  # (a full disk): the standing is saved again after the next pass
                 log.exception("saving the fair-share standing failed")
         # The scheduler has taken these jobs off its queue: each action is carried out on its own, and
@@ -289,6 +288,12 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
                 job = self.jobs.get(action.job_id) if isinstance(action, StartJob) else None
                 if job is not None and job.state is JobState.PENDING:
                     self._enqueue(job)
+        if self.store.meta_waiting:  # no start was recorded: the standing's own COMMIT, made durable
+            try:                     # by the next ordinary one as before
+                with self.store.unsynced():
+                    self.store.commit_meta()
+            except Exception:
+                log.exception("saving the fair-share standing failed")
         self.metrics.observe_pass(time.perf_counter() - began)
 
     async def _apply(self, action: Action) -> None:
@@ -398,12 +403,13 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         if status is not None:
             self._finish(job_id, status)
 
-    def _persist_standing(self, *, final: bool = False) -> None:
+    def _persist_standing(self, *, final: bool = False, with_next_commit: bool = False) -> None:
         """What the scheduler learned and counted survives restarts and crashes (standing.py); the run
-        times at most once a minute (they can be megabytes) and at shutdown."""
+        times at most once a minute (they can be megabytes) and at shutdown. `with_next_commit`: in
+        whatever the store commits next (Store.meta_with_next_commit), else now."""
         now = self.clock()
         history = final or now - self._history_saved_at >= _HISTORY_EVERY_S
-        save_scheduler_state(self.store, self.scheduler, history=history)
+        save_scheduler_state(self.store, self.scheduler, history=history, with_next_commit=with_next_commit)
         self.ended_unsaved = False
         if history:
             self._history_saved_at = now

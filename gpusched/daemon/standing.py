@@ -40,11 +40,20 @@ def load_scheduler_state(store: Store, scheduler: Any) -> None:
                 log.warning("ignoring the saved %s (%s): %s", key, cost, exc)
 
 
-def save_scheduler_state(store: Store, scheduler: Any, *, history: bool) -> None:
-    """Save every record in one COMMIT; the run times only with `history` (they can be megabytes:
-    the engine saves them at most once a minute, and at shutdown)."""
-    with store.batch():
-        for key, exporter_name, _, _ in HANDED_OVER:
-            exporter = getattr(scheduler, exporter_name, None)
-            if callable(exporter) and (history or key != "runtime_history"):
-                store.set_meta(key, json.dumps(exporter()))
+def scheduler_state(scheduler: Any, *, history: bool) -> dict[str, str]:
+    """Every record as the store keeps it (key -> JSON); the run times only with `history` (they can
+    be megabytes: the engine saves them at most once a minute, and at shutdown)."""
+    out: dict[str, str] = {}
+    for key, exporter_name, _, _ in HANDED_OVER:
+        exporter = getattr(scheduler, exporter_name, None)
+        if callable(exporter) and (history or key != "runtime_history"):
+            out[key] = json.dumps(exporter())
+    return out
+
+
+def save_scheduler_state(store: Store, scheduler: Any, *, history: bool, with_next_commit: bool = False) -> None:
+    """Save every record (that changed) in one COMMIT of its own, or, `with_next_commit`, in the next
+    COMMIT the store makes for anything (Store.meta_with_next_commit)."""
+    store.meta_with_next_commit(scheduler_state(scheduler, history=history))
+    if not with_next_commit:
+        store.commit_meta()

@@ -49,6 +49,8 @@ class Store(StoreReader):
         self.path = path
         self._batching = False
         self._savepoints = 0
+        self._riders: dict[str, str] = {}  # meta values for the next COMMIT (meta_with_next_commit)
+        self._meta_committed: dict[str, str] = {}  # what riders last committed, by key
         super().__init__(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
         os.chmod(path, 0o600)  # job specs hold users' environments; the WAL and SHM files inherit this
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -134,13 +136,20 @@ class Store(StoreReader):
             self._savepoints -= 1
 
     def _commit(self) -> None:
-        """COMMIT; if that fails, roll back what is left of the transaction and raise."""
+        """COMMIT (with the meta values riding on it); if that fails, roll back what is left of the
+        transaction and raise: the riders then wait for the next COMMIT."""
+        riders = self._riders
         try:
+            for key, value in riders.items():
+                self._db.execute(_SET_META, (key, value, value))
             self._db.execute("COMMIT")
         except BaseException:
             if self._db.in_transaction:
                 self._rollback()
             raise
+        if riders:
+            self._meta_committed.update(riders)
+            self._riders = {}
 
     def _rollback(self, savepoint: bool = False) -> None:
         """ROLLBACK (or to the change's savepoint). An environment's id inserted in what is undone
@@ -298,9 +307,33 @@ class Store(StoreReader):
     # ---- metadata (scheduler standing, schema version) --------------------------------------------
 
     def set_meta(self, key: str, value: str) -> None:
+        self._riders.pop(key, None)  # this newer value wins over one waiting to ride
+        self._meta_committed.pop(key, None)
         with self._tx() as db:
-            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
-                       (key, value, value))
+            db.execute(_SET_META, (key, value, value))
+
+    def meta_with_next_commit(self, values: dict[str, str]) -> None:
+        """Write these meta values inside the next transaction that commits, whichever it is, so they
+        are exactly as durable as it: the standing a scheduling pass charged its starts with rides on
+        their STARTING commit (a commit and its fsync fewer on each start's path, and never one
+        durable without the other). A value equal to the one this store last committed for its key
+        is not written again."""
+        for key, value in values.items():
+            if self._meta_committed.get(key) == value:
+                self._riders.pop(key, None)
+            else:
+                self._riders[key] = value
+
+    @property
+    def meta_waiting(self) -> bool:
+        """Whether meta values wait for a COMMIT (`commit_meta` gives them one of their own)."""
+        return bool(self._riders)
+
+    def commit_meta(self) -> None:
+        """Commit the meta values waiting for a COMMIT now (inside a batch: with it)."""
+        if self._riders:
+            with self.batch():
+                pass
 
 
 class _Change:
@@ -342,6 +375,7 @@ class _Change:
 
 
 _TRANSITION_SET = fields_of(Transition)
+_SET_META = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = ?"
 
 
 def _first_history(now: float, reason: str, hold: bool) -> list[Transition]:

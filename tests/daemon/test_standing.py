@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 from gpusched.core.scheduler import Scheduler, SchedulerConfig
 from gpusched.daemon import main as daemon_main
 from gpusched.daemon.store import Store
+from gpusched.model import JobSpec, JobState, WholeRequest
 from tests.conftest import inprocess_config, short_tmpdir
 
 
@@ -120,3 +122,37 @@ def test_a_fresh_scheduler_takes_a_jobs_wait_from_its_history() -> None:
     scheduler = Scheduler(SchedulerConfig(), incremental=True)
     scheduler.submit(job)  # before the first pass, as requeue_all does at a start
     assert scheduler._pending_since[3] == 500.0
+
+
+def test_the_standing_a_start_was_charged_with_is_committed_in_its_starting_commit() -> None:
+    """A pass that starts jobs saves the standing inside the STARTING commit (one COMMIT and fsync
+    fewer on the start's path): durable exactly when the start is, never one without the other."""
+    config = inprocess_config(short_tmpdir(), allow_root_jobs=True)
+    spec = JobSpec(argv=["true"], cwd="/", request=WholeRequest(gpus=1))
+
+    async def run() -> tuple[int, list[str]]:
+        daemon = await daemon_main.start(config)
+        statements: list[str] = []
+        try:
+            daemon.engine.store._db.set_trace_callback(statements.append)
+            made = await daemon.engine.submit(uid=os.getuid(), gid=os.getgid(), user="me", spec=spec)
+            for _ in range(400):
+                job = daemon.engine.store.get(made.job_id)
+                if job is not None and job.state is JobState.COMPLETED:
+                    return made.job_id, statements
+                await asyncio.sleep(0.025)
+            raise AssertionError(f"job {made.job_id} did not complete: {job}")
+        finally:
+            daemon.engine.store._db.set_trace_callback(None)
+            await daemon_main.stop(daemon)
+
+    job_id, statements = asyncio.run(run())
+    starting = next(i for i, s in enumerate(statements)
+                    if s.startswith("UPDATE jobs SET state = 'STARTING'") and s.endswith(f"WHERE id = {job_id}"))
+    commit = next(i for i in range(starting, len(statements)) if statements[i] == "COMMIT")
+    begin = max(i for i in range(starting) if statements[i].startswith("BEGIN"))
+    carried = [s for s in statements[begin:commit] if s.startswith("INSERT INTO meta")]
+    assert any("'standing'" in s for s in carried), statements[begin:commit + 1]
+    # and the pass made no COMMIT of its own for it between the submit and the start
+    submitted = max(i for i in range(begin) if statements[i].startswith("INSERT INTO jobs"))
+    assert not [s for s in statements[submitted:begin] if s.startswith("INSERT INTO meta")]

@@ -220,3 +220,35 @@ def test_unsynced_changes_commit_without_an_fsync_and_leave_the_next_ones_durabl
     assert other.execute("SELECT value FROM meta WHERE key = 'standing'").fetchone() == ("2",)
     other.close()
     store.close()
+
+
+def test_meta_values_ride_on_the_next_commit_and_only_when_they_changed(tmp_path: Path) -> None:
+    """`meta_with_next_commit` writes nothing itself: the next COMMIT of anything carries the values
+    (a rolled-back change does not, and they wait on), a value equal to the last committed one is not
+    written again, and a direct `set_meta` of the same key wins over a waiting one."""
+    store = Store(str(tmp_path / "state.db"))
+    other = sqlite3.connect(str(tmp_path / "state.db"))
+    seen = lambda key: other.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()  # noqa: E731
+    spec = JobSpec(argv=["true"], cwd="/", request=WholeRequest(gpus=1))
+    store.meta_with_next_commit({"standing": "1", "held_head": "null"})
+    assert store.meta_waiting and seen("standing") is None
+    with pytest.raises(RuntimeError), store._tx():
+        store._db.execute("DELETE FROM events")
+        raise RuntimeError("a change that is rolled back")
+    assert store.meta_waiting and seen("standing") is None
+    store.submit(uid=1000, gid=1000, user="alice", spec=spec, now=1.0)  # an unrelated change commits
+    assert not store.meta_waiting and seen("standing") == ("1",) and seen("held_head") == ("null",)
+    store.meta_with_next_commit({"standing": "1", "held_head": "7"})  # standing unchanged
+    changes = store._db.total_changes
+    store.commit_meta()
+    assert store._db.total_changes == changes + 1 and seen("held_head") == ("7",)
+    store.meta_with_next_commit({"standing": "1", "held_head": "7"})
+    assert not store.meta_waiting  # nothing changed: no COMMIT at all
+    store.meta_with_next_commit({"standing": "2"})
+    store.set_meta("standing", "3")
+    store.submit(uid=1000, gid=1000, user="alice", spec=spec, now=2.0)
+    assert seen("standing") == ("3",)
+    store.meta_with_next_commit({"standing": "3"})  # not known as committed by a rider: written
+    assert store.meta_waiting
+    other.close()
+    store.close()
