@@ -25,11 +25,15 @@ and nothing of the job should ever be a child of this process.
 One shim is forked ahead of its request and waits for it: the spare. It has done everything a shim
 does before it knows its job (its session, its descriptors, its signals, becoming a subreaper:
 shim.prepare) and blocks on a socketpair of its own; a request hands it the job directory and the
-report pipe. The next spare is forked once the server has been idle for REFILL_DELAY_S, not at
-once: on two cores, forking it beside a launch in progress took back what the spare had saved
-(the fork and that preparation were 2.5 ms of an idle node's 15 ms from submit to RUNNING here).
-A spare shows as `gpusched-spare` until it has a job. When a request finds no spare (several
-launches in a row, or a spare someone killed), its shim is forked then, as before.
+report pipe. The next spare is forked once that launch is over, not at once: on two cores,
+forking it beside a launch in progress took back what the spare had saved (the fork and that
+preparation were 2.5 ms of an idle node's 15 ms from submit to RUNNING here). The spare keeps
+its socketpair until its job has exec'd (close-on-exec: the job never has it), and the end of
+file there is the cue; waiting instead for the server to be idle (REFILL_DELAY_S) left no spare
+for any launch of a run of them, one job after another. A spare shows as `gpusched-spare` until
+it has a job. When a request finds no spare (several launches at once, or a spare someone
+killed), its shim is forked then, as before, and the next spare once the server has been idle
+for REFILL_DELAY_S.
 
 When the daemon goes away (its end of the socketpair closes) the fork server forks no more, ends
 its spare (which sees its socketpair close), keeps reaping the shims it has, and exits once none
@@ -61,7 +65,8 @@ from typing import Any, NoReturn
 MAX_REQUEST = 65536
 CHANNEL_FD = 0  # the socketpair end the daemon hands us as stdin
 SPARE = "(spare)"  # the job directory of the spare shim while it waits
-REFILL_DELAY_S = 0.05  # idle this long after handing out the spare before forking the next
+REFILL_DELAY_S = 0.05  # idle this long after a request left no spare before forking one anyway
+_LAUNCHING = "launching"  # selector data of a spare's socketpair once it has its job
 
 
 def load_shim() -> ModuleType:
@@ -104,13 +109,14 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
         _set_comm("gpusched-spare")
         subreaper = shim.prepare()
         data, fds = receive(channel)
-        channel.close()
         if not data or len(fds) != 1:  # the fork server stopped serving (or is gone): no job comes
             return 0
         job_dir = json.loads(data)["job_dir"]
         os.dup2(fds[0], 1)  # the report pipe, as _become_shim has it; run() closes the original
         _set_comm("gpusched-shim")
-        return int(shim.run(job_dir, subreaper))
+        # The socketpair stays open until the job has exec'd: its end of file is the server's cue
+        # to fork the next spare (close-on-exec, as every socket: the job never has it).
+        return int(shim.run(job_dir, subreaper, launched_fd=channel.detach()))
 
     _exit_with(work)
 
@@ -195,6 +201,8 @@ class Server:
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
                     self._serve_one()
+                elif key.data is _LAUNCHING:
+                    self._launched(key.fileobj)  # type: ignore[arg-type]  # (registered as a socket)
                 else:
                     self._reap(key.fd)
             if self.refill_at is not None and time.monotonic() >= self.refill_at:
@@ -300,11 +308,22 @@ class Server:
         try:
             _send(channel, {"job_dir": job_dir}, [report_fd])
         except OSError:  # it died before its turn: its pidfd is reaped as any shim's
+            channel.close()
             return None
-        finally:
-            channel.close()  # one message is all a spare ever gets
+        # One message is all a spare ever gets; its end of file says its job has exec'd (or it died).
+        self.selector.register(channel, selectors.EVENT_READ, _LAUNCHING)
         self.shims[pidfd] = (pid, job_dir)
         return pid, pidfd
+
+    def _launched(self, channel: socket.socket) -> None:
+        """The spare handed out last has launched its job: the next spare now, while no launch of
+        ours needs the CPUs (it is ready for the next of a run of launches, which the idle delay
+        never left room for)."""
+        self.selector.unregister(channel)
+        channel.close()
+        if self.serving and self.spare is None:
+            self.refill_at = None
+            self._fork_spare()
 
     def _reap(self, pidfd: int) -> None:
         self.selector.unregister(pidfd)

@@ -287,11 +287,18 @@ def prepare() -> bool:
     return become_subreaper()
 
 
-def run(job_dir: str, subreaper: bool | None = None) -> int:
-    """Run the job of `job_dir` to its end; `subreaper`: what `prepare`, called ahead, returned."""
+def run(job_dir: str, subreaper: bool | None = None, launched_fd: int | None = None) -> int:
+    """Run the job of `job_dir` to its end; `subreaper`: what `prepare`, called ahead, returned;
+    `launched_fd` (close-on-exec) is closed once the job has exec'd (the fork server's cue to
+    prepare the next spare) and kept from the job until then."""
     # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
     # the daemon's inheritable ones).
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    top = os.sysconf("SC_OPEN_MAX")
+    if launched_fd is None:
+        os.closerange(3, top)
+    else:
+        os.closerange(3, launched_fd)
+        os.closerange(launched_fd + 1, top)
     if subreaper is None:
         subreaper = prepare()
     claimed = _claim(job_dir)
@@ -326,6 +333,8 @@ def run(job_dir: str, subreaper: bool | None = None) -> int:
         error += chunk
     os.close(err_r)
     _report({"exec": not error, "error": error.decode(errors="replace") or None})
+    if launched_fd is not None:
+        os.close(launched_fd)
     make_durable(record)
     null_fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null_fd, 1)

@@ -315,7 +315,7 @@ def _one_spare(server: int) -> int:
 def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> None:
     """The shim forked ahead: its own session, nothing open but 0-2 and its socketpair, a
     subreaper, no ignored signal but SIGPIPE; a launch is handed to it, and the next spare is
-    forked once the server has been idle."""
+    forked once that launch is over."""
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
@@ -334,7 +334,7 @@ def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> N
         assert started.error is None
         assert _record(executor.job_dir(1))["shim_pid"] == spare and _comm(spare) == "gpusched-shim"
         assert _stat(started.pid) == {"ppid": spare, "session": started.pid}
-        assert _one_spare(server) != spare  # the next one, after the idle delay
+        assert _one_spare(server) != spare  # the next one, once this launch is over
         status_ = await _finish(executor, 1, go)
         assert status_ is not None and status_.exit_code == 5
 
@@ -367,3 +367,45 @@ def test_the_spare_ends_when_the_daemon_goes(state_dir: str) -> None:
 
     server, spare = _run(body, state_dir)  # (the executor is detached at the end: the channel closes)
     wait_until(lambda: not _alive(spare) and not _alive(server), what="the spare, then its fork server, to exit")
+
+
+def _server_without_idle_refill(tmp_path: Path) -> str:
+    """The real fork server with its idle delay an hour long: a spare it forks comes from a launch."""
+    script = tmp_path / "patient_forkserver.py"
+    script.write_text(f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("forkserver", {forkserver.__file__!r})
+forkserver = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(forkserver)
+forkserver.REFILL_DELAY_S = 3600.0
+sys.exit(forkserver.main(sys.argv))
+""")
+    return str(script)
+
+
+def test_the_next_spare_is_forked_once_the_spares_job_has_execd_and_the_job_never_has_its_socketpair(
+        state_dir: str, tmp_path: Path) -> None:
+    """One job after another: the idle delay never passed between them, so no launch but the first
+    found a spare. The spare keeps its socketpair until its job has exec'd; its end of file has the
+    server fork the next one at once (here the idle delay is an hour)."""
+    go = os.path.join(os.path.dirname(state_dir), "go")
+
+    async def body(executor: Executor) -> None:
+        assert executor.shims.forks is not None
+        executor.shims.forks.close()
+        executor.shims.forks.program = _server_without_idle_refill(tmp_path)
+        executor.shims.forks.start()
+        server = _server(executor)
+        for job_id in (1, 2, 3):
+            spare = _one_spare(server)
+            started = await executor.start(job_id, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
+            assert started.error is None and _record(executor.job_dir(job_id))["shim_pid"] == spare
+            job_fds = [os.readlink(f"/proc/{started.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{started.pid}/fd")]
+            assert not [target for target in job_fds if target.startswith("socket:")], job_fds
+            assert _one_spare(server) != spare
+        Path(go).touch()
+        for job_id in (1, 2, 3):
+            status = await asyncio.wait_for(executor.wait(job_id), 30)
+            assert status is not None and status.exit_code == 0
+
+    _run(body, state_dir)
