@@ -94,7 +94,7 @@ def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
 
     def work() -> int:
         os.dup2(report_fd, 1)
-        _leave_server()  # (and the report fd's copy)
+        _leave_server(shim)  # (and the report fd's copy)
         _set_comm("gpusched-shim")
         return int(shim.run(job_dir))
 
@@ -105,7 +105,7 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
     """In the forked child: a shim that waits for its job on `channel`. Never returns."""
 
     def work() -> int:
-        _leave_server(keep=channel.fileno())  # only its own socketpair stays
+        _leave_server(shim, keep=channel.fileno())  # only its own socketpair stays
         _set_comm("gpusched-spare")
         subreaper = shim.prepare()
         data, fds = receive(channel)
@@ -121,18 +121,13 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
     _exit_with(work)
 
 
-def _leave_server(keep: int | None = None) -> None:
+def _leave_server(shim: ModuleType, keep: int | None = None) -> None:
     """In a forked child: a session of its own, and nothing of the fork server's but 1, 2 and `keep`:
     0 becomes /dev/null (it was the channel: a shim cannot talk to the daemon's fork server), and
     the rest (other shims' pidfds) is closed; SIGCHLD is the default again."""
     os.setsid()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    top = os.sysconf("SC_OPEN_MAX")
-    if keep is None:
-        os.closerange(3, top)
-    else:
-        os.closerange(3, keep)
-        os.closerange(keep + 1, top)
+    shim.close_descriptors(keep)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 

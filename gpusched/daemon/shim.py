@@ -277,6 +277,16 @@ def _report(message: dict[str, Any]) -> None:
         print(json.dumps(message), flush=True)
 
 
+def close_descriptors(keep: int | None = None) -> None:
+    """Close every descriptor from 3 up but `keep` (the fork server's children use this too)."""
+    top = os.sysconf("SC_OPEN_MAX")
+    if keep is None:
+        os.closerange(3, top)
+    else:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, top)
+
+
 def prepare() -> bool:
     """What a shim does before it knows its job (a spare shim does it ahead: forkserver.py); returns
     whether it became a subreaper. No ignored signal reaches the job (they are reset again in the
@@ -293,12 +303,7 @@ def run(job_dir: str, subreaper: bool | None = None, launched_fd: int | None = N
     prepare the next spare) and kept from the job until then."""
     # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
     # the daemon's inheritable ones).
-    top = os.sysconf("SC_OPEN_MAX")
-    if launched_fd is None:
-        os.closerange(3, top)
-    else:
-        os.closerange(3, launched_fd)
-        os.closerange(launched_fd + 1, top)
+    close_descriptors(keep=launched_fd)
     if subreaper is None:
         subreaper = prepare()
     claimed = _claim(job_dir)
