@@ -20,6 +20,7 @@ sees the file gone and starts nothing.
 from __future__ import annotations
 
 import _signal  # the C module under `signal`: see _reset_ignored_signals
+import binascii
 import contextlib
 import ctypes  # (loaded once in the fork server, which imports this module)
 import fcntl
@@ -37,6 +38,34 @@ STATUS = "status.json"
 # Exit codes of the shim itself (the job's own status is in status.json).
 EXIT_REVOKED = 3  # the launch was revoked by a restarted daemon, or another shim holds it
 CLAIM_TRIES = 100  # x 10 ms
+
+# gpusched-execjob (execjob.c): the job's child in C, started with posix_spawn, when it is built
+# (`make`, daemon/execjob_build.py) from this very source; else a forked Python child (_child).
+EXECJOB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "execjob.c")
+EXECJOB_DIR = os.path.join(os.path.dirname(EXECJOB_SOURCE), "_execjob")
+EXECJOB_ENV = "GPUSCHED_EXECJOB"  # "0": fork the Python child even where the helper is built
+_REPORT_FD = 3  # where the helper finds the failure pipe (execjob.c)
+
+
+def execjob_path(source: str = EXECJOB_SOURCE, out_dir: str = EXECJOB_DIR) -> str | None:
+    """Where the helper built from `source` as it is now lives (None: the source cannot be read).
+    Named by the text's checksum, so a build from an older text is never run."""
+    try:
+        with open(source, "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return os.path.join(out_dir, f"gpusched-execjob-{binascii.crc32(text):08x}-{len(text)}")
+
+
+def _usable_execjob() -> str | None:
+    if os.environ.get(EXECJOB_ENV, "") == "0":
+        return None
+    path = execjob_path()
+    return path if path is not None and os.access(path, os.X_OK) else None
+
+
+EXECJOB = _usable_execjob()  # once per process: the fork server's shims inherit the answer
 
 
 def write_atomic(path: str, data: dict[str, Any], *, durable: bool = True) -> None:
@@ -246,6 +275,34 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
     os._exit(127)
 
 
+def execjob_argv(helper: str, launch: dict[str, Any]) -> list[str]:
+    """The helper's command line for `launch` (execjob.c): the job's environment rides in it, never
+    in the helper's own, as the loader would honour a submitter's LD_PRELOAD there, as root."""
+    argv = [str(a) for a in launch["argv"]]
+    return [
+        helper, launch.get("cgroup") or "", ",".join(str(c) for c in launch.get("cpuset") or ()),
+        "1" if launch.get("drop_privileges") else "0", str(launch.get("uid", 0)), str(launch.get("gid", 0)),
+        ",".join(str(g) for g in launch.get("groups") or ()), launch["log_path"], launch["cwd"],
+        str(len(argv)), *argv, *(f"{k}={v}" for k, v in launch["env"].items()),
+    ]
+
+
+def _spawn_child(helper: str, launch: dict[str, Any], err_w: int) -> int | None:
+    """Start the job's child as gpusched-execjob; None if it could not be started at all (then the
+    shim forks the Python child, which fails the same launch with the same message if it must)."""
+    if any(not key or "=" in key for key in launch["env"]):
+        return None  # (os.execve's own check says what is wrong with such a name)
+    report = err_w if err_w != _REPORT_FD else os.dup(err_w)  # (a dup2 onto itself keeps close-on-exec)
+    try:
+        return os.posix_spawn(helper, execjob_argv(helper, launch), {},
+                              file_actions=[(os.POSIX_SPAWN_DUP2, report, _REPORT_FD)], setsigmask=())
+    except (OSError, ValueError, TypeError):  # E2BIG, ENOMEM; a NUL byte in an argument
+        return None
+    finally:
+        if report != err_w:
+            os.close(report)
+
+
 def _claim(job_dir: str) -> tuple[int, dict[str, Any]] | None:
     """Open and lock launch.json; None when the launch was revoked or another shim holds it."""
     try:
@@ -314,11 +371,13 @@ def run(job_dir: str, subreaper: bool | None = None, launched_fd: int | None = N
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:
-        os.close(err_r)
-        os.close(lock_fd)
-        _child(launch, err_w)
+    pid = _spawn_child(EXECJOB, launch, err_w) if EXECJOB is not None else None
+    if pid is None:  # (not built, or it could not be started: the child the slower way)
+        pid = os.fork()
+        if pid == 0:
+            os.close(err_r)
+            os.close(lock_fd)
+            _child(launch, err_w)
     os.close(err_w)
     # Record and report the pid before the child execs: a child stopped (or slowed) between its
     # setuid and its exec is the job's user's to control, and the daemon must be able to kill it.

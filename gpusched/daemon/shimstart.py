@@ -187,5 +187,9 @@ def _recorded_shim(path: str) -> tuple[int, int] | None:
 
 
 def shim_env() -> dict[str, str]:
-    """The shim imports only the standard library; nothing of the daemon's environment reaches the job."""
-    return {"PATH": "/usr/bin:/bin"}
+    """The shim imports only the standard library; nothing of the daemon's environment reaches the job
+    (but GPUSCHED_EXECJOB=0, which has shims fork a Python child instead of gpusched-execjob)."""
+    env = {"PATH": "/usr/bin:/bin"}
+    if os.environ.get(shim_module.EXECJOB_ENV) == "0":
+        env[shim_module.EXECJOB_ENV] = "0"
+    return env
