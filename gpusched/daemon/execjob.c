@@ -5,18 +5,21 @@
  * A fork of the Python shim cost the job's start ~3 ms here (copying and tearing down a Python
  * process's address space, and Python running in the child); this costs well under one.
  *
- *   gpusched-execjob CGROUP CPUSET DROP UID GID GROUPS LOG CWD NARGS ARG... ENV...
+ *   gpusched-execjob ARG...      (the job's argv, at least one), with an environment of
+ *   GPUSCHED_X_CGROUP  the job's cgroup directory, or empty for none
+ *   GPUSCHED_X_CPUSET, GPUSCHED_X_GROUPS  comma-separated numbers (may be empty)
+ *   GPUSCHED_X_DROP    "1": take the job's user's groups, gid and uid (as root); "0": keep ours
+ *   GPUSCHED_X_UID, GPUSCHED_X_GID, GPUSCHED_X_LOG, GPUSCHED_X_CWD
+ *   E0, E1, ...        NAME=VALUE: the job's environment, in order
  *
- * CGROUP: the job's cgroup directory, or "" for none; CPUSET and GROUPS: comma-separated numbers
- * (may be empty); DROP: "1" to take the job's user's groups, gid and uid (as root), "0" to keep
- * ours; NARGS: how many ARGs (the job's argv, at least one) follow; the rest is the job's
- * environment, NAME=VALUE each. Descriptor 3 is the shim's report pipe for a failure: "STAGE:
- * strerror", as shim._child writes it, then exit 127. On success nothing is written and the pipe
- * closes at the job's exec (close-on-exec).
+ * Descriptor 3 is the shim's report pipe for a failure: "STAGE: strerror", as shim._child writes
+ * it, then exit 127. On success nothing is written and the pipe closes at the job's exec
+ * (close-on-exec).
  *
- * The job's environment is never ours: this program runs as root until it drops privileges, and
- * the dynamic loader would honour a submitter's LD_PRELOAD in its own environment. The shim starts
- * it with an empty one; the job's is handed over in argv and given to the job's execve only.
+ * The job's environment is never this program's own: it runs as root until it drops privileges,
+ * and the dynamic loader would honour a submitter's LD_PRELOAD (or GLIBC_TUNABLES, ...) there. Each
+ * variable rides as the value of an E<n>, names the loader ignores, and only the job's execve gets
+ * them as they are. Nor is it in argv: /proc/PID/cmdline is anyone's to read, environ only root's.
  *
  * Every step runs in shim._child's order: setsid; join the cgroup (while still root, before
  * anything of the job runs); CPU affinity; setgroups, setgid, setuid; open the log and chdir as the
@@ -186,28 +189,55 @@ static void exec_search(char **argv, char **envp) {
     errno = saved ? saved : last;
 }
 
+static const char *param(const char *name) {
+    const char *value = getenv(name);
+    if (value == NULL) {
+        errno = EINVAL;
+        fail("launch", name);
+    }
+    return value;
+}
+
+/* The value of an entry E<digits>=VALUE, or NULL for any other entry. */
+static char *job_variable(char *entry) {
+    if (entry[0] != 'E' || entry[1] < '0' || entry[1] > '9')
+        return NULL;
+    char *p = entry + 1;
+    while (*p >= '0' && *p <= '9')
+        p++;
+    return *p == '=' ? p + 1 : NULL;
+}
+
+/* The job's environment: the values of our E<n>, in the order the shim gave them. */
+static char **job_environment(void) {
+    size_t count = 0;
+    for (char **e = environ; *e; e++)
+        count += job_variable(*e) != NULL;
+    char **out = calloc(count + 1, sizeof *out);
+    if (out == NULL)
+        fail("launch", "environment");
+    size_t i = 0;
+    for (char **e = environ; *e; e++) {
+        char *value = job_variable(*e);
+        if (value != NULL)
+            out[i++] = value;
+    }
+    return out;
+}
+
 int main(int argc, char **argv) {
     if (fcntl(REPORT_FD, F_SETFD, FD_CLOEXEC) != 0)
         return 126;  /* no report pipe: not started by the shim */
-    if (argc < 11) {
+    if (argc < 2) {
         errno = EINVAL;
-        fail("launch", "arguments");
+        fail("launch", "argv");
     }
-    const char *cgroup = argv[1], *cpuset = argv[2], *drop = argv[3];
-    const char *log_path = argv[7], *cwd = argv[8];
-    char *end;
-    errno = 0;
-    long nargs = strtol(argv[9], &end, 10);
-    if (*end || errno || nargs < 1 || nargs > argc - 10) {
-        errno = EINVAL;
-        fail("launch", "arguments");
-    }
-    char **job_argv = calloc((size_t)nargs + 1, sizeof *job_argv);  /* its own closing NULL */
-    if (job_argv == NULL)
-        fail("launch", "arguments");
-    memcpy(job_argv, argv + 10, (size_t)nargs * sizeof *job_argv);
-    char **job_envp = argv + 10 + nargs;  /* through argv's closing NULL */
-    const char *first = job_argv[0];
+    const char *cgroup = param("GPUSCHED_X_CGROUP"), *cpuset = param("GPUSCHED_X_CPUSET");
+    const char *drop = param("GPUSCHED_X_DROP"), *uid = param("GPUSCHED_X_UID"), *gid = param("GPUSCHED_X_GID");
+    const char *groups = param("GPUSCHED_X_GROUPS"), *log_path = param("GPUSCHED_X_LOG");
+    const char *cwd = param("GPUSCHED_X_CWD");
+    char **job_argv = argv + 1;  /* with argv's own closing NULL */
+    char **job_envp = job_environment();
     if (setsid() < 0)
         fail("setsid", "");
     if (*cgroup)
@@ -215,7 +245,7 @@ int main(int argc, char **argv) {
     if (*cpuset)
         set_affinity(cpuset);
     if (strcmp(drop, "1") == 0)
-        drop_privileges(argv[4], argv[5], argv[6]);
+        drop_privileges(uid, gid, groups);
     int log_fd = open(log_path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (log_fd < 0)
         fail("open log", log_path);
@@ -226,5 +256,5 @@ int main(int argc, char **argv) {
         fail("chdir", cwd);  /* (shim._child's stage for these too) */
     reset_signals();
     exec_search(job_argv, job_envp);
-    fail("exec", first);
+    fail("exec", job_argv[0]);
 }

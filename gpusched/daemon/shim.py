@@ -275,16 +275,19 @@ def _child(launch: dict[str, Any], err_w: int) -> None:
     os._exit(127)
 
 
-def execjob_argv(helper: str, launch: dict[str, Any]) -> list[str]:
-    """The helper's command line for `launch` (execjob.c): the job's environment rides in it, never
-    in the helper's own, as the loader would honour a submitter's LD_PRELOAD there, as root."""
-    argv = [str(a) for a in launch["argv"]]
-    return [
-        helper, launch.get("cgroup") or "", ",".join(str(c) for c in launch.get("cpuset") or ()),
-        "1" if launch.get("drop_privileges") else "0", str(launch.get("uid", 0)), str(launch.get("gid", 0)),
-        ",".join(str(g) for g in launch.get("groups") or ()), launch["log_path"], launch["cwd"],
-        str(len(argv)), *argv, *(f"{k}={v}" for k, v in launch["env"].items()),
-    ]
+def execjob_environment(launch: dict[str, Any]) -> dict[str, str]:
+    """The helper's environment for `launch` (execjob.c): its parameters, and the job's variables as
+    the values of E0, E1, ... in order, names the loader ignores: a submitter's LD_PRELOAD must not
+    act in the helper, which runs as root, and argv (/proc/PID/cmdline) is anyone's to read."""
+    return {
+        **{f"E{i}": f"{k}={v}" for i, (k, v) in enumerate(launch["env"].items())},
+        "GPUSCHED_X_CGROUP": launch.get("cgroup") or "",
+        "GPUSCHED_X_CPUSET": ",".join(str(c) for c in launch.get("cpuset") or ()),
+        "GPUSCHED_X_DROP": "1" if launch.get("drop_privileges") else "0",
+        "GPUSCHED_X_UID": str(launch.get("uid", 0)), "GPUSCHED_X_GID": str(launch.get("gid", 0)),
+        "GPUSCHED_X_GROUPS": ",".join(str(g) for g in launch.get("groups") or ()),
+        "GPUSCHED_X_LOG": launch["log_path"], "GPUSCHED_X_CWD": launch["cwd"],
+    }
 
 
 def _spawn_child(helper: str, launch: dict[str, Any], err_w: int) -> int | None:
@@ -294,7 +297,7 @@ def _spawn_child(helper: str, launch: dict[str, Any], err_w: int) -> int | None:
         return None  # (os.execve's own check says what is wrong with such a name)
     report = err_w if err_w != _REPORT_FD else os.dup(err_w)  # (a dup2 onto itself keeps close-on-exec)
     try:
-        return os.posix_spawn(helper, execjob_argv(helper, launch), {},
+        return os.posix_spawn(helper, [helper, *(str(a) for a in launch["argv"])], execjob_environment(launch),
                               file_actions=[(os.POSIX_SPAWN_DUP2, report, _REPORT_FD)], setsigmask=())
     except (OSError, ValueError, TypeError):  # E2BIG, ENOMEM; a NUL byte in an argument
         return None

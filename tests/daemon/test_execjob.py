@@ -204,3 +204,27 @@ def test_a_daemon_started_with_gpusched_execjob_0_gives_its_shims_the_python_chi
     assert shim_env() == {"PATH": "/usr/bin:/bin"}  # nothing else of the daemon's environment
     monkeypatch.setenv(shim.EXECJOB_ENV, "0")
     assert shim_env() == {"PATH": "/usr/bin:/bin", shim.EXECJOB_ENV: "0"}
+
+
+def test_the_jobs_environment_reaches_the_helper_under_names_the_loader_ignores_and_never_in_argv(
+        place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc/PID/cmdline is anyone's to read (a secret in the environment must not show there), and
+    the helper's own environment is read by the loader, as root (LD_PRELOAD, GLIBC_TUNABLES...)."""
+    seen: dict[str, Any] = {}
+
+    def spawn(path: str, argv: list[str], env: dict[str, str], **kwargs: Any) -> int:
+        seen.update(path=path, argv=argv, env=env)
+        return 4242
+
+    monkeypatch.setattr(os, "posix_spawn", spawn)
+    env = {"PATH": "/usr/bin", "LD_PRELOAD": "/home/eve/evil.so", "GLIBC_TUNABLES": "x", "TOKEN": "s3cret"}
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    try:
+        assert shim._spawn_child("/helper", _launch(place, ["run", "--fast"], env=env), write_fd) == 4242
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert seen["argv"] == ["/helper", "run", "--fast"]
+    assert not [name for name in seen["env"] if not (name.startswith("GPUSCHED_X_") or name[0] == "E")]
+    assert [v for k, v in seen["env"].items() if k[0] == "E"] == [f"{k}={v}" for k, v in env.items()]
+    assert not any("s3cret" in a for a in seen["argv"])
