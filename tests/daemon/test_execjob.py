@@ -25,6 +25,7 @@ BUILT = shim.EXECJOB is not None
 NOT_BUILT = pytest.mark.skipif(not BUILT, reason="gpusched-execjob not built: make native")
 WAYS = [pytest.param(True, id="execjob", marks=NOT_BUILT), pytest.param(False, id="python-child")]
 ROOT = os.geteuid() == 0
+GLIBC_SIGNALS = 1 << 31 | 1 << 32  # SigIgn's bits of signals 32 and 33
 NOBODY = 65534
 
 # What the job reports about itself: its ids, session, ignored and blocked signals and CPUs (through a
@@ -83,7 +84,13 @@ def _comparable(reports: list[dict[str, Any]], status: dict[str, Any], log: str)
     pid = str(status["pid"])
     return ([{k: v for k, v in r.items() if k != "pid"} for r in reports],
             {k: status[k] for k in ("exit_code", "signal", "error")},
-            [line if line.strip() != pid else "PID" for line in log.splitlines()])
+            [_masked(line) if line.strip() != pid else "PID" for line in log.splitlines()])
+
+
+def _masked(line: str) -> str:
+    """SigIgn without glibc's own two signals, which only the helper can reset (above)."""
+    name, _, value = line.partition(":\t")
+    return line if name != "SigIgn" else f"{name}:\t{int(value, 16) & ~GLIBC_SIGNALS:016x}"
 
 
 @pytest.mark.parametrize("helper", WAYS)
@@ -97,7 +104,11 @@ def test_the_job_is_the_same_process_either_way(place: Path, helper: bool) -> No
     if ids[2] is not None:
         assert lines[2] == ids[2]
     assert int(lines[3]) == pid  # a session of its own
-    assert lines[4:6] == ["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"]  # none at all
+    assert lines[4] == "SigBlk:\t0000000000000000"
+    ignored = int(lines[5].removeprefix("SigIgn:\t"), 16)
+    # None ignored. glibc's own two (32, 33) are ignored in a process posix_spawn started from a
+    # threaded one (make's children, CI's pytest): Python cannot reset them, the helper does.
+    assert ignored == 0 if helper else ignored & ~GLIBC_SIGNALS == 0, lines[5]
     assert lines[7:10] == ["0", "1", "2"] and lines[10] == str(place)  # nothing but 0-2 open
     assert lines[11:] == ["EMPTY=", "GREETING=hello world", "PATH=/usr/bin:/bin", f"PWD={place}"]
 
