@@ -25,9 +25,8 @@
  * anything of the job runs); CPU affinity; setgroups, setgid, setuid; open the log and chdir as the
  * user (so a path the user may not reach fails as it would for them); stdin from /dev/null, stdout
  * and stderr to the log; every ignored signal back to its default (glibc's own two included) and no
- * signal blocked; then the
- * PATH search of Python's os.execvpe (the job's PATH, or /bin:/usr/bin; an empty entry is the
- * working directory; the first error other than ENOENT/ENOTDIR is the one reported).
+ * signal blocked; then the PATH search of Python's os.execvpe (the job's PATH, or /bin:/usr/bin; an
+ * empty entry is the working directory; the first error other than ENOENT/ENOTDIR is reported).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -44,9 +43,10 @@
 #define REPORT_FD 3
 #define MAX_GROUPS 65536
 
-static void report(const char *stage, const char *detail, int err) {
+/* Report "STAGE DETAIL: strerror(errno)" on the report pipe and exit 127, as shim._child does. */
+static void fail(const char *stage, const char *detail) {
     char buf[4096];
-    int n = snprintf(buf, sizeof buf, "%s%s%s: %s", stage, *detail ? " " : "", detail, strerror(err));
+    int n = snprintf(buf, sizeof buf, "%s%s%s: %s", stage, *detail ? " " : "", detail, strerror(errno));
     if (n > (int)sizeof buf - 1)
         n = (int)sizeof buf - 1;
     if (n > 0) {
@@ -55,8 +55,6 @@ static void report(const char *stage, const char *detail, int err) {
     }
     _exit(127);
 }
-
-static void fail(const char *stage, const char *detail) { report(stage, detail, errno); }
 
 /* Parse "1,2,3" into out (at most cap numbers); returns the count, or -1 on a malformed list. */
 static long parse_list(const char *text, unsigned long *out, long cap) {
