@@ -13,18 +13,25 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 M = TypeVar("M", bound=BaseModel)
-_set = object.__setattr__
+_new = object.__new__
+# BaseModel's own slots, set through their descriptors: `object.__setattr__` looks each name up along
+# the class's MRO on every call, 2.4x the time of the whole construct (a restart builds 300k models).
+# Every model shares BaseModel's layout, and each descriptor checks that it is given one.
+_set_dict = BaseModel.__dict__["__dict__"].__set__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 def construct(cls: type[M], fields_set: set[str], values: dict[str, Any]) -> M:
     """What `cls.model_construct(fields_set, **values)` builds, for a `values` that holds every field.
 
     `fields_set` may be shared between instances: pydantic copies it before changing it (model_copy)."""
-    model = cls.__new__(cls)
-    _set(model, "__dict__", values)
-    _set(model, "__pydantic_fields_set__", fields_set)
-    _set(model, "__pydantic_extra__", None)
-    _set(model, "__pydantic_private__", None)
+    model: M = _new(cls)
+    _set_dict(model, values)
+    _set_fields_set(model, fields_set)
+    _set_extra(model, None)
+    _set_private(model, None)
     return model
 
 

@@ -24,3 +24,20 @@ def test_a_copy_does_not_change_the_shared_fields_set() -> None:
     copied = one.model_copy(update={"gpu_index": 3})
     assert fields == before
     assert (one.gpu_index, copied.gpu_index) == (0, 3)
+
+
+def test_construct_fills_the_model_as_model_construct_does() -> None:
+    """`construct` sets BaseModel's slots through their descriptors: the instance must be the one
+    `model_construct` gives, down to the slots pickling and copying read."""
+    import copy
+    import pickle
+
+    values = {"uuid": "GPU-2", "gpu_index": 1, "kind": "gpu", "profile": None}
+    fields = fields_of(AllocatedDevice)
+    built = construct(AllocatedDevice, fields, dict(values))
+    reference = AllocatedDevice.model_construct(fields, **values)
+    for name in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__"):
+        assert getattr(built, name) == getattr(reference, name), name
+    assert built.__pydantic_fields_set__ is fields  # shared, not copied
+    assert pickle.loads(pickle.dumps(built)) == reference == copy.deepcopy(built)
+    assert repr(built) == repr(reference)

@@ -41,7 +41,6 @@ DEFAULT_CAPACITY = 4096
 
 _SPEC_FIELDS = frozenset(JobSpec.model_fields)
 _SPEC_ORDER = tuple(JobSpec.model_fields)
-_REST_ORDER = _SPEC_ORDER[1:]  # every field but argv, which comes first
 # A stored spec is pydantic's JSON of it, fields in declaration order, argv first. Inside a JSON string
 # a `"` is always escaped, so the first `],"cwd":` of the text is where argv ends, whatever argv
 # holds; a text shaped otherwise (another version's) is parsed whole (Compactor._from_parts).
@@ -121,6 +120,13 @@ class Compactor:
         # A stored spec's text after its argv (with its environment's digest, if that is apart) -> every
         # field but argv, parsed and shared; None: that text is not of today's shape.
         self._rests: _Pool[str | tuple[str, bytes], dict[str, Any] | None] = _Pool(capacity)
+        # The rest last parsed or found (its environment's digest, its text, its fields): a sweep's rows
+        # come one after another with the same rest, and comparing the end of a row's text with it
+        # costs less than cutting that text out and hashing it for the pool.
+        self._last_rest: tuple[bytes | None, str, dict[str, Any] | None] | None = None
+        # A stored argv's JSON text -> the list it parses to: a spec's argv is shared by its text, as
+        # the row holds it, without parsing it first (`_argvs` is keyed by the parsed tuple).
+        self._argv_texts: _Pool[str, list[str]] = _Pool(capacity)
 
     def stored_env(self, env: dict[str, str]) -> tuple[bytes, bytes] | None:
         """How `env` is stored apart (envstore.py): (its JSON, its digest), or None inline; worked
@@ -203,25 +209,39 @@ class Compactor:
         end = text.find(_ARGV_END)
         if end < 0 or not text.startswith(_ARGV_HEAD) or len(text) - end > _REST_MAX:
             return None
-        rest = text[end + 2 :]  # from `"cwd":` to the closing brace
-        rest_key = rest if env is None else (rest, env[1])
-        if rest_key in self._rests:
-            shared = self._rests[rest_key]
+        env_digest = None if env is None else env[1]
+        last = self._last_rest
+        if (last is not None and last[0] == env_digest and len(text) - end - 2 == len(last[1])
+                and text.endswith(last[1])):
+            shared = last[2]
         else:
-            shared = self._rests.share(rest_key, self._parse_rest(rest, env))
+            rest = text[end + 2 :]  # from `"cwd":` to the closing brace
+            rest_key = rest if env is None else (rest, env[1])
+            if rest_key in self._rests:
+                shared = self._rests[rest_key]
+            else:
+                shared = self._rests.share(rest_key, self._parse_rest(rest, env))
+            self._last_rest = (env_digest, rest, shared)
         if shared is None:
             return None
-        try:
-            argv = from_json(text[len(_ARGV_HEAD) - 1 : end + 1])
-        except ValueError:
-            return None
-        if type(argv) is not list or not argv:
-            return None
-        return construct(JobSpec, _SPEC_SET, {"argv": self._argvs.share(tuple(argv), argv), **shared})
+        argv_text = text[len(_ARGV_HEAD) - 1 : end + 1]
+        argv = self._argv_texts.get(argv_text)
+        if argv is None:
+            try:
+                parsed = from_json(argv_text)
+            except ValueError:
+                return None
+            if type(parsed) is not list or not parsed:
+                return None
+            argv = self._argv_texts.share(argv_text, parsed)
+        values = shared.copy()  # (argv first, as declared: the template holds its place)
+        values["argv"] = argv
+        return construct(JobSpec, _SPEC_SET, values)
 
     def _parse_rest(self, rest: str, env: tuple[dict[str, str], bytes] | None) -> dict[str, Any] | None:
-        """Every field of a stored spec but argv, from the text after it, shared as _build shares them;
-        None unless of exactly today's shape (the whole text then goes through pydantic)."""
+        """Every field of a stored spec, from the text after its argv, shared as _build shares them, with
+        a stand-in argv for each job's own; None unless of exactly today's shape (the whole text then
+        goes through pydantic)."""
         try:
             data = from_json("{" + rest, cache_strings="keys")
         except ValueError:
@@ -234,7 +254,7 @@ class Compactor:
         if data.keys() != _SPEC_FIELDS or not _plain(data):
             return None
         built = self._shared_parts(data)
-        return {name: built[name] for name in _REST_ORDER}
+        return {name: built[name] for name in _SPEC_ORDER}  # a template: `_from_parts` puts each job's argv in
 
     def _build(self, data: dict[str, Any]) -> JobSpec:
         argv: list[str] = data["argv"]

@@ -192,7 +192,8 @@ class EngineCore:
             self._awaiting_deps.add(job.id)
 
     def _ready(self, job: Job) -> bool:
-        return all(self._dependency_status(d) for d in job.spec.after)
+        after = job.spec.after  # (most jobs have none: a restart asks this of every queued one)
+        return not after or all(self._dependency_status(d) for d in after)
 
     def _release_met_dependencies(self) -> None:
         for job_id in sorted(self._awaiting_deps):
