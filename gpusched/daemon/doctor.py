@@ -11,6 +11,9 @@ import stat
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
+import gpusched.core
+from gpusched import native
+from gpusched.daemon import shim
 from gpusched.daemon.procfs import session_of
 from gpusched.gpu.backend import GpuError
 from gpusched.gpu.profiles import MODELS
@@ -34,6 +37,9 @@ def run_checks(engine: Engine, socket_path: str) -> list[DoctorCheck]:
     checks += _numa(engine)
     checks.append(_cgroups(engine))
     checks += _paths(engine, socket_path)
+    checks += compiled_parts(native_in_use=gpusched.core.NATIVE, native_why_not=native.usable_build(),
+                             execjob_in_use=shim.EXECJOB, execjob_now=shim.usable_execjob(),
+                             execjob_env=os.environ.get(shim.EXECJOB_ENV, ""))
     return checks
 
 
@@ -159,6 +165,36 @@ def _paths(engine: Engine, socket_path: str) -> Iterable[DoctorCheck]:
                      f"chown {os.geteuid()} {state_dir} && chmod 0711 {state_dir}")
     else:
         yield _check("state_dir", PASS, f"{state_dir} mode {stat.S_IMODE(st.st_mode):04o}, owned by the daemon")
+
+
+def compiled_parts(*, native_in_use: bool, native_why_not: str | None, execjob_in_use: str | None,
+                   execjob_now: str | None, execjob_env: str) -> Iterable[DoctorCheck]:
+    """The two optional compiled parts (`make` builds both). Each has a pure Python stand-in that
+    does the same, slower, so a missing one is a WARN. Both are chosen once, when the daemon (and
+    the fork server it starts) imports them: what is in use is what was there then, and a part
+    built or rebuilt since needs a restart."""
+    if native_in_use:
+        yield _check("native", PASS, "the scheduling core runs compiled (mypyc)")
+    elif native_why_not is None:
+        yield _check("native", WARN, "the scheduling core runs as pure Python: compiled since gpuschedd started",
+                     "restart gpuschedd to use it")
+    else:
+        yield _check("native", WARN, f"the scheduling core runs as pure Python (about half as fast a pass): "
+                     f"{native_why_not}",
+                     "python -m gpusched.native build (needs a C compiler and mypy), then restart gpuschedd")
+    if execjob_in_use is not None:
+        yield _check("execjob", PASS, f"each job's child is started by {execjob_in_use}")
+    elif execjob_env == "0":
+        yield _check("execjob", WARN, f"each job's child is a forked Python process: {shim.EXECJOB_ENV}=0 in "
+                     "gpuschedd's environment", f"unset {shim.EXECJOB_ENV} and restart gpuschedd (~3 ms "
+                     "faster starts)")
+    elif execjob_now is not None:
+        yield _check("execjob", WARN, f"each job's child is a forked Python process: {execjob_now} was built "
+                     "after gpuschedd started", "restart gpuschedd to use it")
+    else:
+        yield _check("execjob", WARN, "each job's child is a forked Python process (~3 ms slower starts): the "
+                     "helper is not built for this version of gpusched/daemon/execjob.c",
+                     "python -m gpusched.daemon.execjob_build (needs a C compiler), then restart gpuschedd")
 
 
 def _owner(pid: int) -> str:

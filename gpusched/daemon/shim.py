@@ -58,14 +58,16 @@ def execjob_path(source: str = EXECJOB_SOURCE, out_dir: str = EXECJOB_DIR) -> st
     return os.path.join(out_dir, f"gpusched-execjob-{binascii.crc32(text):08x}-{len(text)}")
 
 
-def _usable_execjob() -> str | None:
+def usable_execjob() -> str | None:
+    """The helper this process would use if it looked now (None: the Python child): built from
+    today's source, executable, and not switched off by GPUSCHED_EXECJOB=0."""
     if os.environ.get(EXECJOB_ENV, "") == "0":
         return None
     path = execjob_path()
     return path if path is not None and os.access(path, os.X_OK) else None
 
 
-EXECJOB = _usable_execjob()  # once per process: the fork server's shims inherit the answer
+EXECJOB = usable_execjob()  # once per process: the fork server's shims inherit the answer
 
 
 def write_atomic(path: str, data: dict[str, Any], *, durable: bool = True) -> None:

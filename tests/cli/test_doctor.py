@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 
+import gpusched.core
+from gpusched.daemon import shim
 from gpusched.daemon.devices import simulator_of
+from gpusched.daemon.doctor import compiled_parts
 from tests.cli.test_commands import gs
 from tests.conftest import DaemonHandle, wait_until
 
@@ -60,3 +63,33 @@ def test_doctor_warns_of_drained_gpus_and_fails_when_none_is_left(daemon: Daemon
     result = gs(daemon, "doctor")
     assert result.exit_code == 1, result.stdout
     assert "drained by root: fan" in result.stdout and "FAIL  schedulable" in result.stdout
+
+
+def test_doctor_says_whether_the_compiled_parts_are_in_use(daemon: DaemonHandle) -> None:
+    """An operator must see when a daemon runs without the compiled core or the job's child in C
+    (a wheel installed without building them, a build after the start): the same jobs, slower."""
+    checks = {c["name"]: c for c in json.loads(gs(daemon, "doctor", "--json").stdout)["checks"]}
+    assert checks["native"]["status"] == ("PASS" if gpusched.core.NATIVE else "WARN"), checks["native"]
+    assert checks["execjob"]["status"] == ("PASS" if shim.EXECJOB else "WARN"), checks["execjob"]
+    if shim.EXECJOB:
+        assert checks["execjob"]["detail"].endswith(shim.EXECJOB)
+
+
+def test_each_state_of_the_compiled_parts_has_its_own_words_and_fix() -> None:
+    def one(**kw: object) -> list[tuple[str, str, str, str]]:
+        args = {"native_in_use": True, "native_why_not": None, "execjob_in_use": "/x/gpusched-execjob-1-2",
+                "execjob_now": "/x/gpusched-execjob-1-2", "execjob_env": "", **kw}
+        return [(c.name, c.status, c.detail, c.hint) for c in compiled_parts(**args)]  # type: ignore[arg-type]
+
+    assert [status for _, status, _, _ in one()] == ["PASS", "PASS"]
+    native = one(native_in_use=False, native_why_not="not built (python -m gpusched.native build)")[0]
+    assert native[1] == "WARN" and "not built" in native[2] and native[3].startswith("python -m gpusched.native build")
+    native = one(native_in_use=False)[0]  # usable now, not when the daemon started
+    assert native[1] == "WARN" and "since gpuschedd started" in native[2] and native[3] == "restart gpuschedd to use it"
+    execjob = one(execjob_in_use=None, execjob_env="0", execjob_now=None)[1]
+    assert execjob[1] == "WARN" and "GPUSCHED_EXECJOB=0" in execjob[2] and "unset GPUSCHED_EXECJOB" in execjob[3]
+    execjob = one(execjob_in_use=None)[1]
+    assert execjob[1] == "WARN" and "built after gpuschedd started" in execjob[2] and "restart" in execjob[3]
+    execjob = one(execjob_in_use=None, execjob_now=None)[1]
+    assert execjob[1] == "WARN" and "not built" in execjob[2]
+    assert execjob[3].startswith("python -m gpusched.daemon.execjob_build")
