@@ -292,8 +292,8 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
             try:                     # by the next ordinary one as before
                 with self.store.unsynced():
                     self.store.commit_meta()
-            except Exception:
-                log.exception("saving the fair-share standing failed")
+            except Exception:  # (it stays waiting: the next commit of any kind writes it)
+                log.exception("committing the fair-share standing after a pass without starts failed")
         self.metrics.observe_pass(time.perf_counter() - began)
 
     async def _apply(self, action: Action) -> None:
