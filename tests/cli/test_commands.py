@@ -333,9 +333,17 @@ def test_submit_wait_time_limit_exits_124(node: DaemonHandle) -> None:
     assert "TIMEOUT" in result.stderr
 
 
+# The CLI as a terminal starts it: with SIGINT at its default. pytest-xdist's workers ignore SIGINT,
+# an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler;
+# so it is set back to the default before the CLI's exec (not in a preexec_fn: the test process has
+# threads).
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def _cli_process(node: DaemonHandle, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpusched_cli.main", "--socket", node.socket, *args],
+        [sys.executable, "-c", _SIGINT_DEFAULT, "-m", "gpusched_cli.main", "--socket", node.socket, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
 

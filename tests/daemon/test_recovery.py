@@ -245,7 +245,7 @@ def test_recovery_matrix(world: World, state: JobState, shim_record: str, status
 
 
 @pytest.mark.parametrize("state", list(JobState))
-@pytest.mark.parametrize("final", [*TERMINAL_STATES, JobState.PREEMPTED])
+@pytest.mark.parametrize("final", [*sorted(TERMINAL_STATES), JobState.PREEMPTED])
 def test_path_to_is_always_legal(state: JobState, final: JobState) -> None:
     """Whatever the outcome of a status, the steps to record it are legal from any state."""
     if state in TERMINAL_STATES:
