@@ -194,6 +194,7 @@ class SchedulerCore:
     _failed: dict[int, str]
     _to_fail: list[FailJob]
     _fail_cache: dict[object, str | None]
+    _last_unsat: tuple[object, object, str | None]
     _shape: object
     _shape_seen: tuple[object, ...]
     _gpus: tuple[Gpu, ...]
@@ -239,10 +240,20 @@ class SchedulerCore:
 
     def _unsat(self, job: Job) -> str | None:
         req = job.spec.request
-        if req not in self._fail_cache:
-            self._fail_cache[req] = unsatisfiable_reason(req, self._gpus, self._share_modes, self._dynamic,
-                                                         self.config.mig.toggle_mode)
-        return self._fail_cache[req]
+        # A request is a frozen model, hashed field by field in Python on every lookup; a sweep's jobs
+        # share one request object (daemon/compact.py), so the last answer is kept by identity first
+        # (for this very table: a new node shape starts a new one).
+        cache = self._fail_cache
+        last = self._last_unsat
+        if last[1] is req and last[0] is cache:
+            return last[2]
+        if req in cache:
+            reason = cache[req]
+        else:
+            reason = cache[req] = unsatisfiable_reason(req, self._gpus, self._share_modes, self._dynamic,
+                                                       self.config.mig.toggle_mode)
+        self._last_unsat = (cache, req, reason)
+        return reason
 
     def _place(self, cluster: Cluster, job: Job, reserved: frozenset[str],
                claimed: frozenset[str] = frozenset(), only: Collection[str] | None = None) -> Allocation | None:

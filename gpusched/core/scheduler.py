@@ -108,6 +108,7 @@ class Scheduler(PersistMixin):
         self._failed: dict[int, str] = {}  # failed job id -> reason (until it leaves pending)
         self._to_fail: list[FailJob] = []
         self._fail_cache: dict[object, str | None] = {}
+        self._last_unsat: tuple[object, object, str | None] = (None, None, None)  # (_fail_cache, request, reason)
         self._shape: object = None
         self._shape_seen: tuple[object, ...] = (None, None, None)
         self._gpus: tuple[Gpu, ...] = ()

@@ -53,6 +53,25 @@ def test_unsatisfiable_jobs_fail_with_what_the_node_has(incremental: bool) -> No
     assert _starts(acts) == [3]
 
 
+def test_jobs_sharing_a_request_object_are_judged_against_the_node_as_it_is_now() -> None:
+    """`_unsat` keeps its last answer by the request object's identity (a sweep's jobs share one): a
+    node that changed shape in between must be asked again, not answered from before."""
+    sched = Scheduler(incremental=True)
+    two, one = (gpu(0), gpu(1)), (gpu(0),)
+    first = job(1, gpus=2)
+    second = first.model_copy(update={"id": 2})  # the same spec object, so the same request object
+    assert second.spec.request is first.spec.request
+    sched.plan(Snapshot(gpus=one, pending=(), active=()), 0.0)
+    sched.submit(first)
+    fails = [a for a in sched.plan(Snapshot(gpus=one, pending=(), active=()), 1.0) if isinstance(a, FailJob)]
+    assert [a.job_id for a in fails] == [1]
+    sched.remove(1)
+    sched.plan(Snapshot(gpus=two, pending=(), active=()), 2.0)  # a second GPU: a new node shape
+    sched.submit(second)
+    acts = sched.plan(Snapshot(gpus=two, pending=(), active=()), 3.0)
+    assert not [a for a in acts if isinstance(a, FailJob)] and _starts(acts) == [2]
+
+
 def _backlogged_run(weights: dict[str, int], hours: float, incremental: bool = True,
                     on_tick: object = None) -> tuple[Node, dict[str, float]]:
     cfg = SchedulerConfig(fairness=FairnessConfig(weights=weights))
