@@ -14,6 +14,7 @@ import pytest
 
 from gpusched.model import JobState
 from gpusched.protocol import LogsRequest, LogsResult
+from tests.cli.terminal import TMUX, terminal_env
 from tests.cli.test_commands import gs, submit, wait_state
 from tests.conftest import DaemonHandle, wait_until
 
@@ -54,18 +55,13 @@ def test_logs_of_a_finished_job_keeps_multibyte_characters_at_chunk_boundaries(d
     assert result.stdout_bytes == on_disk
 
 
-# A tmux server of this test process's own: a server already running (another test process's, under
-# pytest -n) would start our command with its environment, not ours, and so with its daemon's socket.
-_TMUX = ["tmux", "-L", f"gs-streams-{os.getpid()}"]
-
-
 def _tmux(session: str, cmd: str, width: int, height: int, env: dict[str, str]) -> None:
-    subprocess.run([*_TMUX, "new-session", "-d", "-s", session, "-x", str(width), "-y", str(height), cmd],
+    subprocess.run([*TMUX, "new-session", "-d", "-s", session, "-x", str(width), "-y", str(height), cmd],
                    env=env, check=True)
 
 
 def _screen(session: str) -> str:
-    return subprocess.run([*_TMUX, "capture-pane", "-p", "-J", "-S", "-200", "-t", session],
+    return subprocess.run([*TMUX, "capture-pane", "-p", "-J", "-S", "-200", "-t", session],
                           capture_output=True, text=True).stdout
 
 
@@ -73,10 +69,7 @@ def _screen(session: str) -> str:
 def _top_in_tmux(daemon: DaemonHandle, name: str, width: int, height: int) -> Iterator[str]:
     """`gpusched top` live in a tmux session of that size, on screen; then `EXIT=<code>` when it ends."""
     session = f"{name}{os.getpid()}"
-    # (without COLUMNS and LINES, which curses prefers to the terminal's own size: pytest-xdist's
-    # workers have them set to 80x24)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
-           "GPUSCHED_SOCKET": daemon.socket, "TERM": "xterm"}
+    env = terminal_env(daemon.socket)
     _tmux(session, f"{PY} -m gpusched_cli.main top; echo EXIT=$?; sleep 60", width, height, env)
     try:
         try:
@@ -85,13 +78,13 @@ def _top_in_tmux(daemon: DaemonHandle, name: str, width: int, height: int) -> It
             raise AssertionError(f"{exc}; the screen:\n{_screen(session)}") from None
         yield session
     finally:
-        subprocess.run([*_TMUX, "kill-session", "-t", session], capture_output=True)
+        subprocess.run([*TMUX, "kill-session", "-t", session], capture_output=True)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_top_user_filter_prompt_in_a_narrow_terminal_does_not_crash(daemon: DaemonHandle) -> None:
     with _top_in_tmux(daemon, "narrow", 30, 10) as session:
-        subprocess.run([*_TMUX, "send-keys", "-t", session, "u"], check=True)
+        subprocess.run([*TMUX, "send-keys", "-t", session, "u"], check=True)
         # a 30-column window gets the short prompt (it crashed with a traceback instead)
         wait_until(lambda: "user: " in _screen(session), timeout=15, what="the user prompt")
         screen = _screen(session)

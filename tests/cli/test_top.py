@@ -15,6 +15,7 @@ import pytest
 from gpusched.config import GpuConfig
 from gpusched.model import JobState
 from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, TopSnapshot, WatchRequest, encode_frame
+from tests.cli.terminal import TMUX, terminal_env
 from tests.cli.test_commands import gs, submit, wait_state
 from tests.conftest import DaemonHandle, wait_until
 from tests.integration.test_daemon import _read
@@ -64,31 +65,25 @@ def test_top_once_draws_gpus_mig_slices_jobs_and_queue(daemon_factory: Callable[
 def test_live_top_in_a_terminal_responds_to_keys(daemon: DaemonHandle) -> None:
     session = f"gstop{os.getpid()}"
     job_id = 0
-    # (without COLUMNS and LINES, which curses prefers to the terminal's own size: pytest-xdist's
-    # workers have them set to 80x24)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
-           "GPUSCHED_SOCKET": daemon.socket, "TERM": "xterm"}
+    env = terminal_env(daemon.socket)
     cmd = f"{sys.executable} -m gpusched_cli.main top"
-    # A tmux server of this test process's own (never the user's default one, nor another test
-    # process's under pytest -n, which would start the command with its environment, not ours).
-    tmux = ["tmux", "-L", f"gs-top-{os.getpid()}"]
-    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "120", "-y", "40", cmd], env=env, check=True)
+    subprocess.run([*TMUX, "new-session", "-d", "-s", session, "-x", "120", "-y", "40", cmd], env=env, check=True)
     try:
         def screen() -> str:
-            return subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+            return subprocess.run([*TMUX, "capture-pane", "-p", "-t", session], capture_output=True,
                                   text=True).stdout
 
         wait_until(lambda: "gpusched top" in screen(), timeout=15, what="top on screen")
         job_id = submit(daemon, "--gpus", "1", "--", "sleep", "30")
         wait_until(lambda: f"{job_id}" in screen() and "1 running" in screen(), timeout=10, what="job pushed")
-        subprocess.run([*tmux, "send-keys", "-t", session, "s"], check=True)
+        subprocess.run([*TMUX, "send-keys", "-t", session, "s"], check=True)
         wait_until(lambda: "sort=user" in screen(), timeout=5, what="sort key")
-        subprocess.run([*tmux, "send-keys", "-t", session, "p"], check=True)
+        subprocess.run([*TMUX, "send-keys", "-t", session, "p"], check=True)
         wait_until(lambda: "[PAUSED]" in screen(), timeout=5, what="pause key")
-        subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True)
-        wait_until(lambda: subprocess.run([*tmux, "has-session", "-t", session],
+        subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=True)
+        wait_until(lambda: subprocess.run([*TMUX, "has-session", "-t", session],
                                           capture_output=True).returncode != 0, timeout=5, what="top quit")
     finally:
-        subprocess.run([*tmux, "kill-session", "-t", session], capture_output=True)
+        subprocess.run([*TMUX, "kill-session", "-t", session], capture_output=True)
         if job_id:
             gs(daemon, "cancel", str(job_id))
