@@ -18,6 +18,11 @@ import tempfile
 from gpusched.daemon.shim import EXECJOB_DIR, EXECJOB_SOURCE, execjob_path
 
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
+# Linked statically where the C library's static archive is installed (Debian's libc6-dev has it):
+# no dynamic loader between the helper's exec and its first step, ~0.2 ms of every job's start on
+# two slow cores. It calls no NSS function (the groups come from the shim), so a static glibc is
+# whole here. Without the archive, the dynamic build: the same program.
+STATIC = ("-static",)
 
 
 def build(source: str = EXECJOB_SOURCE, out_dir: str = EXECJOB_DIR, cc: str | None = None) -> str:
@@ -32,7 +37,9 @@ def build(source: str = EXECJOB_SOURCE, out_dir: str = EXECJOB_DIR, cc: str | No
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".build-")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, source], capture_output=True, text=True)
+        done = subprocess.run([compiler, *CFLAGS, *STATIC, "-o", tmp, source], capture_output=True, text=True)
+        if done.returncode != 0:  # (no static C library): dynamically linked
+            done = subprocess.run([compiler, *CFLAGS, "-o", tmp, source], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-2000:]}")
         os.chmod(tmp, 0o755)
