@@ -1,5 +1,8 @@
 """The daemon's side of the fork server (forkserver.py): start it, ask it for shims, notice its death.
 
+The fork server keeps one shim forked ahead, the spare, and hands us its channel as soon as it is
+forked (a notice on our channel): a launch gives the spare its job directly (`take_spare`), with no
+request and reply through the fork server on its path, and asks for a shim only when it has no spare.
 One request is in flight at a time (each takes well under a millisecond), so a reply is matched by
 its id and nothing queues behind a lost one. The fork server is our child: we watch it through a
 pidfd and reap it. When it dies, or does not answer within `reply_timeout_s` (it is then killed),
@@ -47,6 +50,19 @@ class Forked:
 
 
 @dataclass(eq=False)
+class Spare:
+    """The fork server's spare shim, waiting for a job on `channel` (ours to close, with the pidfd)."""
+
+    pid: int
+    pidfd: int
+    channel: socket.socket
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+        self.channel.close()
+
+
+@dataclass(eq=False)
 class _Proc:
     """One fork server process."""
 
@@ -72,6 +88,7 @@ class ForkServer:
         self._lock = asyncio.Lock()
         self._next_id = 0
         self._pending: tuple[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] | None = None
+        self._spare: Spare | None = None  # the current fork server's spare, once it noticed us of it
         self._failures = 0  # consecutive fork servers that died before answering
         self._retry_at = 0.0  # monotonic time before which no new fork server is started
 
@@ -148,6 +165,37 @@ class ForkServer:
             raise ForkServerError(f"the fork server forked shim {pid} but sent no pidfd", sent=True)
         raise ForkServerError(f"the fork server refused: {message.get('error')}", sent=False)
 
+    def waiting_spare(self) -> int | None:
+        """The pid of the spare waiting for our next launch (None: none, or no notice of one yet).
+        Notices still unread on the channel are read first: a spare forked a moment ago counts. A
+        spare that died waiting is only found out when its channel refuses the job (EPIPE)."""
+        if self._proc is not None:
+            self._on_readable(self._proc)
+        return self._spare.pid if self._spare is not None else None
+
+    def take_spare(self) -> Spare | None:
+        """The spare, now ours to give a job (see waiting_spare); None when there is none."""
+        self.waiting_spare()
+        spare, self._spare = self._spare, None
+        return spare
+
+    def _hold_spare(self, message: dict[str, Any], fds: list[int]) -> None:
+        pid = message.get("spare")
+        if not isinstance(pid, int) or pid <= 0 or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            return
+        if self._spare is not None:  # (the server forks one only after the last one's end): let it go
+            self._spare.close()
+        channel = socket.socket(fileno=fds[1])
+        channel.setblocking(False)
+        self._spare = Spare(pid=pid, pidfd=fds[0], channel=channel)
+
+    def _drop_spare(self) -> None:
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+
     def _ensure_started(self) -> _Proc:
         if self._proc is not None:
             return self._proc
@@ -185,6 +233,9 @@ class ForkServer:
                 message = json.loads(data)
             except ValueError:
                 message = {}
+            if isinstance(message, dict) and "spare" in message:
+                self._hold_spare(message, fds)
+                continue
             pending = self._pending
             if pending is not None and isinstance(message, dict) and message.get("id") == pending[0] \
                     and not pending[1].done():
@@ -216,6 +267,7 @@ class ForkServer:
             proc.channel.close()
             proc.channel = None
             if self._proc is proc:
+                self._drop_spare()  # (its server gone, it sees its channel close once we let go)
                 self._proc = None
                 if failed:
                     self._note_failure()
@@ -227,6 +279,7 @@ class ForkServer:
         """Stop talking to the fork server (daemon shutdown): it forks no more, reaps its shims, and
         exits once they have; they and their jobs keep running."""
         proc, self._proc = self._proc, None
+        self._drop_spare()  # it exits once its fork server, which stops serving, lets go too
         if proc is None:
             return
         loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ forkclient.py) and asks it, over a SOCK_SEQPACKET socketpair on its stdin, for o
     request  {"id": N, "job_dir": "JOBS_DIR/ID"}   + SCM_RIGHTS: the write end of the shim's report pipe
     reply    {"id": N, "pid": PID}                 + SCM_RIGHTS: a pidfd of the shim
              {"id": N, "error": "why"}
+    notice   {"spare": PID}                        + SCM_RIGHTS: a pidfd of the spare, and its channel
 
 The socketpair is inherited, never a path: nobody but the daemon can ask for anything. Even so a
 request names only a directory directly under JOBS_DIR; what runs there is what the daemon wrote
@@ -22,18 +23,21 @@ would be reparented to PID 1 at once, and a PID 1 that does not reap (a containe
 one zombie per job; and why not a subreaper: the job's own orphans would then be reparented here,
 and nothing of the job should ever be a child of this process.
 
-One shim is forked ahead of its request and waits for it: the spare. It has done everything a shim
-does before it knows its job (its session, its descriptors, its signals, becoming a subreaper:
-shim.prepare) and blocks on a socketpair of its own; a request hands it the job directory and the
-report pipe. The next spare is forked once that launch is over, not at once: on two cores,
-forking it beside a launch in progress took back what the spare had saved (the fork and that
-preparation were 2.5 ms of an idle node's 15 ms from submit to RUNNING here). The spare keeps
-its socketpair until its job has exec'd (close-on-exec: the job never has it), and the end of
-file there is the cue; waiting instead for the server to be idle (REFILL_DELAY_S) left no spare
-for any launch of a run of them, one job after another. A spare shows as `gpusched-spare` until
-it has a job. When a request finds no spare (several launches at once, or a spare someone
-killed), its shim is forked then, as before, and the next spare once the server has been idle
-for REFILL_DELAY_S.
+One shim is forked ahead and waits for its job: the spare. It has done everything a shim does
+before it knows its job (its session, its descriptors, its signals, becoming a subreaper:
+shim.prepare) and blocks on a socketpair of its own, whose other end the server hands the daemon
+at once (the notice above) and keeps a copy of. The daemon sends the spare its job directory and
+report pipe itself: no request and reply through this process on the launch's path (on two
+cores each process a launch passes through waits its turn for a CPU; this hop was ~1 ms of an
+idle node's ~10 ms from submit to RUNNING). The spare checks the directory as a request's is
+checked here, and when its job has exec'd it writes the job's directory on its socketpair and
+closes it (close-on-exec: the job never has it): the server's cue to fork the next spare at once.
+Not beside the launch in progress: on two cores, forking it then took back what the spare had
+saved; and not only once the server had been idle (REFILL_DELAY_S), which left no spare for any
+launch of a run of them, one job after another. A spare whose socketpair closes without that
+note died waiting (someone killed it): the next one is forked once the server has been idle for
+REFILL_DELAY_S, as after a request, which forks its shim then (the daemon had no spare: several
+launches at once, or a dead one). A spare shows as `gpusched-spare` until it has a job.
 
 When the daemon goes away (its end of the socketpair closes) the fork server forks no more, ends
 its spare (which sees its socketpair close), keeps reaping the shims it has, and exits once none
@@ -66,7 +70,7 @@ MAX_REQUEST = 65536
 CHANNEL_FD = 0  # the socketpair end the daemon hands us as stdin
 SPARE = "(spare)"  # the job directory of the spare shim while it waits
 REFILL_DELAY_S = 0.05  # idle this long after a request left no spare before forking one anyway
-_LAUNCHING = "launching"  # selector data of a spare's socketpair once it has its job
+_SPARE = "spare"  # selector data of the spare's socketpair (readable: its job has exec'd, or it died)
 
 
 def load_shim() -> ModuleType:
@@ -101,7 +105,7 @@ def _become_shim(shim: ModuleType, job_dir: str, report_fd: int) -> None:
     _exit_with(work)
 
 
-def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
+def _become_spare(shim: ModuleType, channel: socket.socket, jobs_dir: str) -> None:
     """In the forked child: a shim that waits for its job on `channel`. Never returns."""
 
     def work() -> int:
@@ -109,13 +113,21 @@ def _become_spare(shim: ModuleType, channel: socket.socket) -> None:
         _set_comm("gpusched-spare")
         subreaper = shim.prepare()
         data, fds = receive(channel)
-        if not data or len(fds) != 1:  # the fork server stopped serving (or is gone): no job comes
+        if not data or len(fds) != 1:  # the daemon and the fork server let it go: no job comes
             return 0
-        job_dir = json.loads(data)["job_dir"]
+        try:
+            job_dir = json.loads(data).get("job_dir")
+        except (ValueError, AttributeError):
+            job_dir = None
+        error = job_dir_error(jobs_dir, job_dir)
+        if error is not None:  # (only the daemon holds the other end): as a refused request, no launch
+            print(f"gpusched spare shim: {error}", file=sys.stderr, flush=True)
+            return 2
         os.dup2(fds[0], 1)  # the report pipe, as _become_shim has it; run() closes the original
         _set_comm("gpusched-shim")
-        # The socketpair stays open until the job has exec'd: its end of file is the server's cue
-        # to fork the next spare (close-on-exec, as every socket: the job never has it).
+        # The socketpair stays open until the job has exec'd; then run() writes the job's directory
+        # on it and closes it: the server's cue to fork the next spare (close-on-exec, as every
+        # socket: the job never has it).
         return int(shim.run(job_dir, subreaper, launched_fd=channel.detach()))
 
     _exit_with(work)
@@ -181,7 +193,8 @@ class Server:
         self.shims: dict[int, tuple[int, str]] = {}  # pidfd -> (pid, job dir, or SPARE)
         self.unwatched: set[int] = set()  # shims we could not open a pidfd for: reaped when we can
         self.serving = True
-        self.spare: tuple[int, int, socket.socket] | None = None  # (pid, pidfd, its socketpair end)
+        self.spare: tuple[int, int, socket.socket] | None = None  # (pid, pidfd, its socketpair's other end)
+        self.spare_launched = False  # the spare has noted its launched job (see _spare_done)
         self.refill_at: float | None = None  # monotonic time to fork the next spare, if none is waiting
 
     def run(self) -> int:
@@ -196,8 +209,8 @@ class Server:
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
                     self._serve_one()
-                elif key.data is _LAUNCHING:
-                    self._launched(key.fileobj)  # type: ignore[arg-type]  # (registered as a socket)
+                elif key.data is _SPARE:
+                    self._spare_done(key.fileobj)  # type: ignore[arg-type]  # (registered as a socket)
                 else:
                     self._reap(key.fd)
             if self.refill_at is not None and time.monotonic() >= self.refill_at:
@@ -246,10 +259,7 @@ class Server:
             error = f"request: expected the report pipe's descriptor, got {len(fds)} descriptors"
         if error is not None:
             return {"id": request_id, "error": error}, []
-        spare = self._hand_to_spare(job_dir, fds[0])
-        if spare is not None:
-            pid, pidfd = spare
-            return {"id": request_id, "pid": pid}, [pidfd]
+        # (never the spare: the daemon has it, and asks only when it has none)
         try:
             pid = os.fork()
         except OSError as exc:
@@ -268,8 +278,8 @@ class Server:
         return {"id": request_id, "pid": pid}, [pidfd]
 
     def _fork_spare(self) -> None:
-        """A shim that waits, prepared, for the next request (none if it cannot be made: requests
-        then fork their shims, as before)."""
+        """A shim that waits, prepared, for the daemon's next launch, and the notice that hands the
+        daemon its channel (none if it cannot be made: requests then fork their shims, as before)."""
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError:
@@ -282,7 +292,7 @@ class Server:
             return
         if pid == 0:
             ours.close()
-            _become_spare(self.shim, theirs)
+            _become_spare(self.shim, theirs, self.jobs_dir)
         theirs.close()
         try:
             pidfd = os.pidfd_open(pid)
@@ -292,41 +302,56 @@ class Server:
             return
         self.shims[pidfd] = (pid, SPARE)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        ours.setblocking(False)
+        self.selector.register(ours, selectors.EVENT_READ, _SPARE)
         self.spare = (pid, pidfd, ours)
+        try:  # (the daemon gets copies: the pidfd and this end stay ours too)
+            _send(self.channel, {"spare": pid}, [pidfd, ours.fileno()])
+        except OSError:  # the daemon is gone
+            self._stop_serving()
 
-    def _hand_to_spare(self, job_dir: str, report_fd: int) -> tuple[int, int] | None:
-        """Give the spare this job: its (pid, pidfd), or None if there is no spare (any more)."""
-        spare, self.spare = self.spare, None
-        if spare is None:
-            return None
-        pid, pidfd, channel = spare
-        try:
-            _send(channel, {"job_dir": job_dir}, [report_fd])
-        except OSError:  # it died before its turn: its pidfd is reaped as any shim's
-            channel.close()
-            return None
-        # One message is all a spare ever gets; its end of file says its job has exec'd (or it died).
-        self.selector.register(channel, selectors.EVENT_READ, _LAUNCHING)
-        self.shims[pidfd] = (pid, job_dir)
-        return pid, pidfd
-
-    def _launched(self, channel: socket.socket) -> None:
-        """The spare handed out last has launched its job: the next spare now, while no launch of
-        ours needs the CPUs (it is ready for the next of a run of launches, which the idle delay
-        never left room for)."""
+    def _spare_done(self, channel: socket.socket) -> None:
+        """The spare's socketpair has something: the note of its launched job (the daemon handed it
+        one, and it has exec'd) and, once it closed its end, end of file. With the note the next
+        spare is forked now, while no launch of ours needs the CPUs (ready for the next of a run of
+        launches, which the idle delay never left room for); without it, the spare died waiting,
+        and the next one comes once the server is idle (never a fork loop behind a spare that dies)."""
+        while True:
+            try:
+                note = channel.recv(MAX_REQUEST)
+            except BlockingIOError:
+                return  # the note, and not yet the end of file: that comes next
+            except OSError:
+                note = b""
+            if not note:
+                break
+            self._note_launched(note)
         self.selector.unregister(channel)
         channel.close()
-        if self.serving and self.spare is None:
+        if self.spare is None or self.spare[2] is not channel:
+            return  # (only the spare's is ever registered)
+        launched, self.spare_launched = self.spare_launched, False
+        self.spare = None
+        if not self.serving:
+            return
+        if launched:
             self.refill_at = None
             self._fork_spare()
+        else:
+            self.refill_at = time.monotonic() + REFILL_DELAY_S
+
+    def _note_launched(self, note: bytes) -> None:
+        """The spare names the job directory it launched, for the message should its shim fail."""
+        if self.spare is not None:
+            self.spare_launched = True
+            pid, pidfd, _ = self.spare
+            if pidfd in self.shims:
+                self.shims[pidfd] = (pid, os.path.join(self.jobs_dir, note.decode(errors="replace")))
 
     def _reap(self, pidfd: int) -> None:
         self.selector.unregister(pidfd)
         pid, job_dir = self.shims.pop(pidfd)
         os.close(pidfd)
-        if self.spare is not None and self.spare[1] == pidfd:  # the spare died waiting (killed)
-            self.spare[2].close()
-            self.spare = None
         try:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
@@ -341,7 +366,9 @@ class Server:
             self.serving = False
             self.selector.unregister(self.channel)
             self.channel.close()
-            if self.spare is not None:  # it sees its socketpair close and exits; reaped as a shim
+            if self.spare is not None:  # unless launched, it sees its socketpair close (the daemon's copy
+                # too: the daemon went, or let it go) and exits; reaped as a shim
+                self.selector.unregister(self.spare[2])
                 self.spare[2].close()
                 self.spare = None
 

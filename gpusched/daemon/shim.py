@@ -361,8 +361,8 @@ def prepare() -> bool:
 
 def run(job_dir: str, subreaper: bool | None = None, launched_fd: int | None = None) -> int:
     """Run the job of `job_dir` to its end; `subreaper`: what `prepare`, called ahead, returned;
-    `launched_fd` (close-on-exec) is closed once the job has exec'd (the fork server's cue to
-    prepare the next spare) and kept from the job until then."""
+    `launched_fd` (a spare's socketpair, close-on-exec) gets the job directory's name and is closed
+    once the job has exec'd (the fork server's cue to prepare the next spare); the job never has it."""
     # Nothing of whoever started us reaches the job: no descriptor but 0-2 (a spawned shim inherits
     # the daemon's inheritable ones).
     close_descriptors(keep=launched_fd)
@@ -403,6 +403,8 @@ def run(job_dir: str, subreaper: bool | None = None, launched_fd: int | None = N
     os.close(err_r)
     _report({"exec": not error, "error": error.decode(errors="replace") or None})
     if launched_fd is not None:
+        with contextlib.suppress(OSError):  # (a fork server gone meanwhile)
+            os.write(launched_fd, os.path.basename(job_dir).encode())
         os.close(launched_fd)
     make_durable(record)
     null_fd = os.open(os.devnull, os.O_WRONLY)

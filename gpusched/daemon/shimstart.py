@@ -22,12 +22,13 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import sys
 import termios
 from dataclasses import dataclass
 
 from gpusched.daemon import shim as shim_module
-from gpusched.daemon.forkclient import ForkServer, ForkServerError
+from gpusched.daemon.forkclient import ForkServer, ForkServerError, Spare
 from gpusched.daemon.shim import SHIM, process_start_time
 
 log = logging.getLogger("gpusched.executor")
@@ -74,6 +75,9 @@ class ShimStarter:
         """A running shim for the launch in `job_dir`. Raises OSError (spawn failed) or LostLaunch."""
         if self.forks is None:
             return self.spawn(job_dir)
+        spare = self.forks.take_spare()
+        if spare is not None and (shim := self._hand_to_spare(spare, job_dir)) is not None:
+            return shim
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
             try:
@@ -95,6 +99,25 @@ class ShimStarter:
             os.close(read_fd)
             raise
         return self._watch(forked.pid, read_fd, forked.pidfd, forked=True)
+
+    def _hand_to_spare(self, spare: Spare, job_dir: str) -> Shim | None:
+        """Give the fork server's spare this launch: its job directory and the write end of its report
+        pipe, in one message on its own channel. None if it cannot take it (it died waiting: EPIPE);
+        once sent, the spare has it, as a forked shim has its request, and the report pipe tells the
+        rest (a spare that dies before reporting closes it: the launch fails, as a shim's that died)."""
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        try:
+            spare.channel.sendmsg([json.dumps({"job_dir": os.path.abspath(job_dir)}).encode()],
+                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_fd]))])
+        except OSError as exc:
+            os.close(read_fd)
+            os.close(spare.pidfd)
+            log.info("%s: the spare shim is gone (%s); asking the fork server", job_dir, exc.strerror or exc)
+            return None
+        finally:
+            os.close(write_fd)
+            spare.channel.close()
+        return self._watch(spare.pid, read_fd, spare.pidfd, forked=True)
 
     def spawn(self, job_dir: str) -> Shim:
         """posix_spawn the shim in a new session.

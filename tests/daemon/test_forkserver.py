@@ -7,11 +7,13 @@ the real server's work up to that moment and then dies (see `_faulty_server`).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -209,6 +211,38 @@ def test_the_fork_server_refuses_a_directory_outside_the_jobs_dir(state_dir: str
     _run(body, state_dir)
 
 
+def test_the_spare_refuses_a_directory_outside_the_jobs_dir(state_dir: str) -> None:
+    """The spare checks what the daemon hands it as the fork server checks a request: no launch."""
+    planted = os.path.join(os.path.dirname(state_dir), "planted")
+    os.makedirs(planted)
+    shim.write_atomic(os.path.join(planted, shim.LAUNCH), {
+        "argv": ["true"], "cwd": "/", "env": {}, "uid": ME.uid, "gid": ME.gid, "groups": [],
+        "drop_privileges": False, "log_path": os.path.join(planted, "log")})
+
+    async def body(executor: Executor) -> None:
+        forks = executor.shims.forks
+        assert forks is not None
+        spare_pid = _held_spare(executor)
+        spare = forks.take_spare()
+        assert spare is not None and spare.pid == spare_pid
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        try:
+            spare.channel.sendmsg([json.dumps({"job_dir": planted}).encode()],
+                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_fd]))])
+            os.close(write_fd)
+            write_fd = -1
+            assert os.read(read_fd, 100) == b""  # it reported nothing and exited
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+            spare.close()
+        wait_until(lambda: not _alive(spare_pid), what="the spare to exit")
+        assert not os.path.exists(os.path.join(planted, shim.SHIM))
+
+    _run(body, state_dir)
+
+
 @pytest.mark.parametrize("mode", ["after_fork", "reply_without_pidfd"])
 def test_a_fork_server_lost_after_forking_leaves_the_shim_it_forked_in_charge(state_dir: str, tmp_path: Path,
                                                                             mode: str) -> None:
@@ -255,7 +289,10 @@ def test_a_fork_server_that_stops_answering_is_killed_and_the_job_spawned(state_
         forks = executor.shims.forks
         assert forks is not None and forks.pid is not None
         stuck = forks.pid
+        spare = _held_spare(executor)
         os.kill(stuck, signal.SIGSTOP)
+        os.kill(spare, signal.SIGKILL)  # the launch cannot go to the spare: it asks the stopped server
+        wait_until(lambda: not _alive(spare), what="the killed spare to exit")
         forks.reply_timeout_s = 0.2
         started = await executor.start(1, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
         assert started.error is None
@@ -312,6 +349,15 @@ def _one_spare(server: int) -> int:
     return spares[0]
 
 
+def _held_spare(executor: Executor) -> int:
+    """The one spare, once the daemon's side holds it (its notice read): the next launch's shim."""
+    forks = executor.shims.forks
+    assert forks is not None
+    spare = _one_spare(_server(executor))
+    wait_until(lambda: forks.waiting_spare() == spare, what=f"the daemon to hold spare {spare}")
+    return spare
+
+
 def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> None:
     """The shim forked ahead: its own session, nothing open but 0-2 and its socketpair, a
     subreaper, no ignored signal but SIGPIPE; a launch is handed to it, and the next spare is
@@ -320,7 +366,7 @@ def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> N
 
     async def body(executor: Executor) -> None:
         server = _server(executor)
-        spare = _one_spare(server)
+        spare = _held_spare(executor)
         assert _stat(spare) == {"ppid": server, "session": spare}
         fds = sorted(int(fd) for fd in os.listdir(f"/proc/{spare}/fd"))
         assert fds[:3] == [0, 1, 2] and len(fds) == 4
@@ -341,21 +387,40 @@ def test_the_spare_waits_prepared_and_takes_the_next_launch(state_dir: str) -> N
     _run(body, state_dir)
 
 
-def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str) -> None:
+def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str, tmp_path: Path) -> None:
+    """The daemon holds a spare that died: its channel refuses the job, and the launch asks the
+    fork server (whose idle delay is an hour here, so no other spare can take the launch)."""
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        server = _server(executor)
-        spare = _one_spare(server)
+        assert executor.shims.forks is not None
+        executor.shims.forks.close()
+        executor.shims.forks.program = _server_without_idle_refill(tmp_path)
+        executor.shims.forks.start()
+        spare = _held_spare(executor)
         os.kill(spare, signal.SIGKILL)
         wait_until(lambda: not _alive(spare), what="the killed spare to be reaped")
         started = await executor.start(1, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
         assert started.error is None
         shim_pid = _record(executor.job_dir(1))["shim_pid"]
         assert shim_pid != spare and _forked_by_server(shim_pid)  # forked on request, as before spares
-        assert _one_spare(server) not in (spare, shim_pid)
+        assert executor.shims.forks.waiting_spare() is None and _spares(_server(executor)) == []
         status = await _finish(executor, 1, go)
         assert status is not None and status.exit_code == 0
+
+    _run(body, state_dir)
+
+
+def test_a_spare_that_dies_waiting_is_replaced_once_the_server_is_idle(state_dir: str) -> None:
+    """Not at once (a spare that keeps dying must not make the server fork in a loop), and not never."""
+
+    async def body(executor: Executor) -> None:
+        server = _server(executor)
+        for _ in range(2):
+            spare = _held_spare(executor)
+            os.kill(spare, signal.SIGKILL)
+            wait_until(lambda killed=spare: not _alive(killed), what="the killed spare to be reaped")
+            assert _one_spare(server) != spare
 
     _run(body, state_dir)
 
@@ -397,7 +462,7 @@ def test_the_next_spare_is_forked_once_the_spares_job_has_execd_and_the_job_neve
         executor.shims.forks.start()
         server = _server(executor)
         for job_id in (1, 2, 3):
-            spare = _one_spare(server)
+            spare = _held_spare(executor)
             started = await executor.start(job_id, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
             assert started.error is None and _record(executor.job_dir(job_id))["shim_pid"] == spare
             job_fds = [os.readlink(f"/proc/{started.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{started.pid}/fd")]

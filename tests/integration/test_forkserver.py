@@ -39,11 +39,14 @@ def test_the_fork_server_holds_nothing_of_the_daemon(daemon: DaemonHandle) -> No
         fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
         assert fds[0].startswith("socket:") and fds[1] == os.devnull
         # Beyond stdin/out/err only the pidfds of its shims and the socketpairs it made for its
-        # spares: not the database, and no socket of the daemon's (it runs in this process).
+        # spares: not the database, and no socket of the daemon's (it runs in this process) but
+        # the spare's channel, which the fork server handed it.
+        spare_fd = daemon.call_in_loop(lambda: forks._spare.channel.fileno() if forks._spare else None)
         ours = set()
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(FileNotFoundError):  # (the listing's own descriptor, closed by now)
-                ours.add(os.readlink(f"/proc/self/fd/{fd}"))
+                if int(fd) != spare_fd:
+                    ours.add(os.readlink(f"/proc/self/fd/{fd}"))
         beyond = [target for fd, target in fds.items() if fd > 2]
         assert all(t == "anon_inode:[pidfd]" or (t.startswith("socket:") and t not in ours) for t in beyond), fds
         # the job's shim, and the next spare, forked once that job had exec'd (with its socketpair)
