@@ -2,7 +2,8 @@
 
 Starting a Python interpreter for every job's shim costs tens of milliseconds; forking one that has
 already imported the shim costs well under one. The daemon starts this program once (daemon/
-forkclient.py) and asks it, over a SOCK_SEQPACKET socketpair on its stdin, for one shim per job:
+forkclient.py); over a SOCK_SEQPACKET socketpair on its stdin it hears of each spare (below), and
+asks for a shim when it has none:
 
     request  {"id": N, "job_dir": "JOBS_DIR/ID"}   + SCM_RIGHTS: the write end of the shim's report pipe
     reply    {"id": N, "pid": PID}                 + SCM_RIGHTS: a pidfd of the shim
@@ -40,8 +41,8 @@ REFILL_DELAY_S, as after a request, which forks its shim then (the daemon had no
 launches at once, or a dead one). A spare shows as `gpusched-spare` until it has a job.
 
 When the daemon goes away (its end of the socketpair closes) the fork server forks no more, ends
-its spare (which sees its socketpair close), keeps reaping the shims it has, and exits once none
-is left. If it dies first, its shims are reparented
+its spare (which sees its socketpair close once the daemon's copy is gone too), keeps reaping the
+shims it has, and exits once none is left. If it dies first, its shims are reparented
 to PID 1 (or the nearest subreaper) as shims of a dead daemon always were; they need no parent,
 and a restarted daemon re-adopts them from their files like any other (daemon/recovery.py).
 
