@@ -234,6 +234,7 @@ class ForkServer:
             except ValueError:
                 message = {}
             if isinstance(message, dict) and "spare" in message:
+                proc.answered = True  # (a server that forks spares is a healthy one, as one that answers)
                 self._hold_spare(message, fds)
                 continue
             pending = self._pending

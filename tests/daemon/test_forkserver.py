@@ -425,6 +425,30 @@ def test_a_spare_that_dies_waiting_is_replaced_once_the_server_is_idle(state_dir
     _run(body, state_dir)
 
 
+def test_a_fork_server_that_only_forked_spares_is_a_healthy_one_when_it_dies(state_dir: str) -> None:
+    """It never answered a request (the daemon gave its spare the launch), but it did its work: its
+    death is not a failed start, so the next launch starts a new one at once, with no back-off."""
+    go = os.path.join(os.path.dirname(state_dir), "go")
+
+    async def body(executor: Executor) -> None:
+        forks = executor.shims.forks
+        assert forks is not None
+        first = _server(executor)
+        _held_spare(executor)
+        started = await executor.start(1, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
+        assert started.error is None
+        os.kill(first, signal.SIGKILL)
+        while forks.pid == first:  # (the loop hears of its death through its pidfd)
+            await asyncio.sleep(0.01)
+        started = await executor.start(2, _waits_for(go, 0), "/", {"PATH": "/usr/bin:/bin"}, ME)
+        assert started.error is None and forks.starts == 2
+        assert _forked_by_server(_record(executor.job_dir(2))["shim_pid"])  # not spawned while backing off
+        for job_id in (1, 2):
+            assert (await _finish(executor, job_id, go)) is not None
+
+    _run(body, state_dir)
+
+
 def test_the_spare_ends_when_the_daemon_goes(state_dir: str) -> None:
     async def body(executor: Executor) -> tuple[int, int]:
         server = _server(executor)
