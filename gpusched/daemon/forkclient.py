@@ -13,7 +13,6 @@ restarted at once: starts back off (1 s, 2 s, ... up to a minute) and launches s
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
@@ -140,8 +139,7 @@ class ForkServer:
             self._pending = (request_id, reply)
             try:
                 try:
-                    proc.channel.sendmsg([json.dumps({"id": request_id, "job_dir": job_dir}).encode()],
-                                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [report_fd]))])
+                    forkserver.send(proc.channel, {"id": request_id, "job_dir": job_dir}, [report_fd])
                 except OSError as exc:  # EPIPE / ECONNRESET: it is gone, and never saw the request
                     self._lose(proc, f"could not be asked: {exc.strerror or exc}", failed=not proc.answered)
                     raise ForkServerError(f"the fork server is gone: {exc.strerror or exc}", sent=False) from None

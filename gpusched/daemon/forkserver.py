@@ -164,7 +164,8 @@ def _set_comm(name: str) -> None:
         comm.write(name)
 
 
-def _send(channel: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+def send(channel: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    """One message and the descriptors to pass with it (both sides use this, as `receive`)."""
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     channel.sendmsg([json.dumps(message).encode()], ancillary)
 
@@ -242,7 +243,7 @@ class Server:
                 os.close(fd)
         message, pass_fds = reply
         try:
-            _send(self.channel, message, pass_fds)
+            send(self.channel, message, pass_fds)
         except OSError:
             self._stop_serving()
         if self.serving and self.spare is None:  # the next one, once this launch has had the CPUs
@@ -307,7 +308,7 @@ class Server:
         self.selector.register(ours, selectors.EVENT_READ, _SPARE)
         self.spare = (pid, pidfd, ours)
         try:  # (the daemon gets copies: the pidfd and this end stay ours too)
-            _send(self.channel, {"spare": pid}, [pidfd, ours.fileno()])
+            send(self.channel, {"spare": pid}, [pidfd, ours.fileno()])
         except OSError:  # the daemon is gone
             self._stop_serving()
 

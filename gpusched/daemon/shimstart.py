@@ -22,11 +22,11 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import sys
 import termios
 from dataclasses import dataclass
 
+from gpusched.daemon import forkserver
 from gpusched.daemon import shim as shim_module
 from gpusched.daemon.forkclient import ForkServer, ForkServerError, Spare
 from gpusched.daemon.shim import SHIM, process_start_time
@@ -107,16 +107,15 @@ class ShimStarter:
         rest (a spare that dies before reporting closes it: the launch fails, as a shim's that died)."""
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
-            spare.channel.sendmsg([json.dumps({"job_dir": os.path.abspath(job_dir)}).encode()],
-                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_fd]))])
+            forkserver.send(spare.channel, {"job_dir": os.path.abspath(job_dir)}, [write_fd])
         except OSError as exc:
             os.close(read_fd)
-            os.close(spare.pidfd)
+            spare.close()
             log.info("%s: the spare shim is gone (%s); asking the fork server", job_dir, exc.strerror or exc)
             return None
         finally:
             os.close(write_fd)
-            spare.channel.close()
+        spare.channel.close()  # (the pidfd is the watch's now)
         return self._watch(spare.pid, read_fd, spare.pidfd, forked=True)
 
     def spawn(self, job_dir: str) -> Shim:

@@ -7,13 +7,11 @@ the real server's work up to that moment and then dies (see `_faulty_server`).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -227,8 +225,7 @@ def test_the_spare_refuses_a_directory_outside_the_jobs_dir(state_dir: str) -> N
         assert spare is not None and spare.pid == spare_pid
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
-            spare.channel.sendmsg([json.dumps({"job_dir": planted}).encode()],
-                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_fd]))])
+            forkserver.send(spare.channel, {"job_dir": planted}, [write_fd])
             os.close(write_fd)
             write_fd = -1
             assert os.read(read_fd, 100) == b""  # it reported nothing and exited
@@ -393,10 +390,7 @@ def test_a_killed_spare_costs_nothing_but_its_speed(state_dir: str, tmp_path: Pa
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        assert executor.shims.forks is not None
-        executor.shims.forks.close()
-        executor.shims.forks.program = _server_without_idle_refill(tmp_path)
-        executor.shims.forks.start()
+        _restart_without_idle_refill(executor, tmp_path)
         spare = _held_spare(executor)
         os.kill(spare, signal.SIGKILL)
         wait_until(lambda: not _alive(spare), what="the killed spare to be reaped")
@@ -458,6 +452,14 @@ def test_the_spare_ends_when_the_daemon_goes(state_dir: str) -> None:
     wait_until(lambda: not _alive(spare) and not _alive(server), what="the spare, then its fork server, to exit")
 
 
+def _restart_without_idle_refill(executor: Executor, tmp_path: Path) -> None:
+    """The executor's fork server replaced by one whose idle delay is an hour (below)."""
+    assert executor.shims.forks is not None
+    executor.shims.forks.close()
+    executor.shims.forks.program = _server_without_idle_refill(tmp_path)
+    executor.shims.forks.start()
+
+
 def _server_without_idle_refill(tmp_path: Path) -> str:
     """The real fork server with its idle delay an hour long: a spare it forks comes from a launch."""
     script = tmp_path / "patient_forkserver.py"
@@ -480,10 +482,7 @@ def test_the_next_spare_is_forked_once_the_spares_job_has_execd_and_the_job_neve
     go = os.path.join(os.path.dirname(state_dir), "go")
 
     async def body(executor: Executor) -> None:
-        assert executor.shims.forks is not None
-        executor.shims.forks.close()
-        executor.shims.forks.program = _server_without_idle_refill(tmp_path)
-        executor.shims.forks.start()
+        _restart_without_idle_refill(executor, tmp_path)
         server = _server(executor)
         for job_id in (1, 2, 3):
             spare = _held_spare(executor)
