@@ -104,11 +104,17 @@ class Store(StoreReader):
         """Changes committed without an fsync of their own, for what no client was told of: they are
         made durable by the next ordinary commit (the WAL's fsync covers every frame before it, and a
         power loss can only cut the WAL at a frame, never reorder it) and survive a kill -9 meanwhile
-        (the page cache holds them). Inside a transaction already, they simply join it."""
+        (the page cache holds them). Inside a transaction already, they simply join it.
+
+        NORMAL, not OFF: the two differ only in a checkpoint, which SQLite runs inside the commit that
+        fills the WAL past its limit. Under OFF that checkpoint copied the WAL into the database file
+        without syncing either, and the WAL was then written over from its start: a power loss
+        could lose changes that had been acknowledged, durably, long before. Under NORMAL it syncs
+        the WAL before and the database file after, as under FULL."""
         if self._db.in_transaction:
             yield
             return
-        self._db.execute("PRAGMA synchronous=OFF")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         try:
             yield
         finally:
