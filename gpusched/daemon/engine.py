@@ -239,8 +239,9 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
             self._fail_local_queue()  # Slurm owns this node's queue: one source of truth per GPU
             return
         ready: list[Job] = []  # handed over at once below (policy.submit_all)
-        for job in sorted(self.jobs.values(), key=lambda j: j.id):
-            if job.state is JobState.PENDING:
+        pending = JobState.PENDING
+        for job in sorted(self.jobs.values(), key=_job_id):
+            if job.state is pending:
                 self._enqueue(job, ready)
             elif self.checkpoints.holds(job) and (queue := self._queue) is not None:
                 if isinstance(self.scheduler, Pins):
@@ -413,3 +414,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self.ended_unsaved = False
         if history:
             self._history_saved_at = now
+
+
+def _job_id(job: Job) -> int:
+    return job.id

@@ -180,7 +180,8 @@ class EngineCore:
         an array with %MAX, once fewer than MAX of its array's tasks are queued or running). With
         `batch`, a ready job is added to it instead, for the caller to hand over with the others."""
         queue = self._queue
-        if not self.arrays.admit(job) or queue is None:
+        # (a job of no array is always admitted: a restart asks this of every queued job)
+        if (job.array_id is not None and not self.arrays.admit(job)) or queue is None:
             return
         if self._ready(job):
             self._awaiting_deps.discard(job.id)

@@ -173,19 +173,13 @@ class StoreReader(ArrayReads):
 
     def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
         out: dict[int, list[Transition]] = {}
-        transition = self.compactor.transition
         for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
             chunk = ids[start : start + 500]
             marks = ", ".join("?" for _ in chunk)
-            for job_id, state, at, reason in self._db.execute(
+            self.compactor.add_histories(self._db.execute(
                 f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
                 chunk,
-            ):
-                history = out.get(job_id)
-                if history is None:  # (most jobs at a restart have one transition: no list made twice)
-                    out[job_id] = [transition(_STATES[state], at, reason)]
-                else:
-                    history.append(transition(_STATES[state], at, reason))
+            ), _STATES, out)
         return out
 
     def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:
