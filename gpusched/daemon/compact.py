@@ -305,7 +305,7 @@ class Compactor:
     def add_histories(self, rows: Iterable[tuple[int, str, float, str]], states: dict[str, JobState],
                       out: dict[int, list[Transition]]) -> None:
         """Stored transitions (job id, state, at, reason), each job's in order, appended to `out` by
-        job id: `transition` for each row, with the calls a restart would make 100k times inlined."""
+        job id: a Transition for each row, with the calls a restart would make 100k times inlined."""
         strings = self._strings
         found = strings.get
         for job_id, state, at, reason in rows:
@@ -319,8 +319,6 @@ class Compactor:
             else:
                 history.append(transition)
 
-    def transition(self, state: JobState, at: float, reason: str) -> Transition:
-        return construct(Transition, _TRANSITION_SET, {"state": state, "at": at, "reason": self.text(reason)})
 
 
 def _plain(data: dict[str, Any]) -> bool:

@@ -179,3 +179,24 @@ def test_a_stored_spec_of_another_shape_is_not_split_at_argv() -> None:
         assert compactor._from_parts(text, None) is None
         assert compactor.spec_from_json(text) == spec
     assert compactor._from_parts(spec.model_dump_json(), None) == spec
+
+
+def test_histories_keep_each_jobs_order_and_equal_validated_transitions() -> None:
+    """`add_histories` (a restart's 100k rows): each job's transitions in row order, appended to what
+    `out` already holds for it, each equal to a validated Transition (state, time, reason), and one
+    reason string shared by every row that repeats it."""
+    from gpusched.model import Transition
+
+    states = {s.value: s for s in JobState}
+    out: dict[int, list[Transition]] = {3: [Transition(state=JobState.PENDING, at=0.5, reason="submitted")]}
+    first, second = "".join(["sub", "mitted"]), "".join(["sub", "mitted"])  # equal, two objects
+    assert first is not second
+    rows = [(1, "PENDING", 1.0, first), (1, "STARTING", 2.0, "placed"), (2, "PENDING", 3.0, second),
+            (3, "HELD", 4.0, "held by user")]
+    Compactor().add_histories(iter(rows), states, out)
+    assert sorted(out) == [1, 2, 3]
+    assert out[1] == [Transition(state=JobState.PENDING, at=1.0, reason="submitted"),
+                      Transition(state=JobState.STARTING, at=2.0, reason="placed")]
+    assert [t.state for t in out[3]] == [JobState.PENDING, JobState.HELD]
+    assert out[1][0].reason is out[2][0].reason
+    assert out[2][0].model_dump() == Transition.model_validate(out[2][0].model_dump()).model_dump()
