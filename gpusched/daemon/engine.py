@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from operator import attrgetter
 
 from gpusched.config import DaemonConfig
 from gpusched.core.scheduler import (
@@ -240,7 +241,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
             return
         ready: list[Job] = []  # handed over at once below (policy.submit_all)
         pending = JobState.PENDING
-        for job in sorted(self.jobs.values(), key=_job_id):
+        for job in sorted(self.jobs.values(), key=attrgetter("id")):
             if job.state is pending:
                 self._enqueue(job, ready)
             elif self.checkpoints.holds(job) and (queue := self._queue) is not None:
@@ -414,7 +415,3 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self.ended_unsaved = False
         if history:
             self._history_saved_at = now
-
-
-def _job_id(job: Job) -> int:
-    return job.id
