@@ -1,7 +1,8 @@
 """Whole-process time of the everyday client commands against `python -c pass`, in the same run.
 
-`gpusched submit`, `queue`, `show` and `cancel` each run as a real process (the installed `gpusched`
-entry point) against a real daemon, interleaved with the baseline `python -c pass`, so drift on a
+`gpusched submit`, `queue`, `show` and `cancel` each run as a real process (the installed `gpusched`:
+the C front where it was built, which sends the plain submit itself and runs the Python program for
+the other three) against a real daemon, interleaved with the baseline `python -c pass`, so drift on a
 shared machine hits them all alike. The baseline is the part no client code can remove: the
 interpreter starting and exiting (with `site`, as the console script's interpreter does; `python -I
 -S -c pass` beside it is the interpreter with nothing imported at all). The goal (issue 13) is each
@@ -18,11 +19,11 @@ bytecode is compiled first, as an installed package's is, so no run pays for com
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import harness as h
 
+from gpusched_cli import front_build
 from gpusched_cli.client import Client
 
 GOAL = 3.0  # x python -c pass, p50
@@ -45,7 +46,7 @@ def commands(program: str, socket_path: str, show_id: int, cancel_ids: list[int]
 
 def measure(d: h.DaemonProc, runs: int) -> dict[str, list[float]]:
     h.compile_bytecode()
-    program = os.path.join(os.path.dirname(sys.executable), "gpusched")
+    program = front_build.installed_path()
     with Client(d.socket) as c:
         h.submit_one(c, h.spec(["sleep", "3600"], gpus=8))  # the blocker; cleanup() kills it
         show_id = h.submit_one(c, h.spec(["true"]))
@@ -89,6 +90,7 @@ def main() -> int:
     runs = args.runs or (4 if args.quick else 30)
 
     print(h.machine_line())
+    print(f"gpusched: {front_build.describe_installed()}")
     d = h.DaemonProc(h.short_tmpdir("gbc-"))
     try:
         d.start()

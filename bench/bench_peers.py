@@ -1,7 +1,9 @@
 """gpusched against its peers: task-spooler (`tsp`) and Slurm, on the same machine, in the same run.
 
 Each system is driven the way a user drives it, through its command-line client, one process per
-submit: `gpusched submit`, `tsp CMD`, `sbatch --wrap CMD`. We measure
+submit: `gpusched submit` (the installed program: the C front where it was built), `tsp CMD`,
+`sbatch --wrap CMD`; `gpusched-py` is the Python program alone (pip's console script), the C
+front's baseline. We measure
   - submit throughput: submit processes per second from 1 and 16 concurrent submitters, while a
     blocker job holds the whole node so nothing else runs;
   - submit->start latency on an idle node: from just before the submit process is spawned until the
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 
 import harness as h
 
+from gpusched_cli import front_build
 from gpusched_cli.client import Client
 
 
@@ -116,16 +119,18 @@ class Gpusched(Peer):
         self.daemon.start()
         self.env = dict(os.environ)
 
+    def program(self) -> str:
+        """The installed `gpusched`: the C front where it was built (front_build), else the console script."""
+        return front_build.installed_path()
+
     def submit_argv(self, command: str) -> list[str]:
         assert self.daemon is not None
-        gpusched = os.path.join(os.path.dirname(sys.executable), "gpusched")
-        return [gpusched, "--socket", self.daemon.socket, "submit", "--gpus", "1", "--", "sh", "-c", command]
+        return [self.program(), "--socket", self.daemon.socket, "submit", "--gpus", "1", "--", "sh", "-c", command]
 
     def array_argv(self, tasks: int) -> list[str] | None:
         assert self.daemon is not None
-        gpusched = os.path.join(os.path.dirname(sys.executable), "gpusched")
-        return [gpusched, "--socket", self.daemon.socket, "submit", "--gpus", "1", "--array", f"1-{tasks}", "--",
-                "true"]
+        return [self.program(), "--socket", self.daemon.socket, "submit", "--gpus", "1", "--array", f"1-{tasks}",
+                "--", "true"]
 
     def block(self) -> None:
         assert self.daemon is not None
@@ -135,6 +140,19 @@ class Gpusched(Peer):
     def stop(self) -> None:
         if self.daemon is not None:
             self.daemon.cleanup()  # kills the daemon and every job process group it recorded
+
+
+@dataclass
+class GpuschedPython(Gpusched):
+    """The Python program alone, as pip's console script runs it: the C front's baseline in the same run."""
+
+    def program(self) -> str:
+        path = os.path.join(self.base, "gpusched-py")
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(f"#!{sys.executable}\nimport sys\nfrom gpusched_cli.fastpath import main\nsys.exit(main())\n")
+            os.chmod(path, 0o755)
+        return path
 
 
 @dataclass
@@ -425,6 +443,7 @@ def interpreter_rates(sizes: Sizes) -> dict[int, float]:
 
 PEERS: dict[str, Callable[[str], Peer]] = {
     "gpusched": lambda base: Gpusched("gpusched", base),
+    "gpusched-py": lambda base: GpuschedPython("gpusched-py", base),
     "tsp": lambda base: TaskSpooler("tsp", base),
     "slurm": lambda base: Slurm("slurm", base),
 }
@@ -474,7 +493,9 @@ def report(results: list[Result], sizes: Sizes, floor: dict[int, float]) -> None
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI smoke: a few submits and samples per peer")
-    parser.add_argument("--peers", default="tsp,slurm", help="comma-separated: tsp, slurm (gpusched always runs)")
+    parser.add_argument("--peers", default="gpusched-py,tsp,slurm",
+                        help="comma-separated: gpusched-py (the Python program alone), tsp, slurm (gpusched always "
+                             "runs)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     wanted = ["gpusched", *[p for p in args.peers.split(",") if p and p != "gpusched"]]
@@ -484,6 +505,7 @@ def main() -> int:
 
     h.compile_bytecode()
     print(h.machine_line())
+    print(f"gpusched: {front_build.describe_installed()}")
     print(f"{sizes.submits} submits per throughput phase, {sizes.latency_samples} latency samples per system")
     results = []
     for name in wanted:

@@ -8,6 +8,10 @@ release ...`), its options are parsed from the same declarations click builds it
 (help, `--version`, another command, a value the strict parser leaves to click, a usage problem
 found before anything is sent, shell completion) `run` answers None before any side effect and the
 click program runs instead, from the start, so its messages and exit codes are the only ones.
+
+Where a C compiler was found at install, the installed `gpusched` is the C front (front.c), which
+sends a plain submit without starting Python at all, and runs `main` here for every other command
+line, or `resume` for a submit it sent but could not finish.
 """
 
 from __future__ import annotations
@@ -102,6 +106,11 @@ def run(argv: Sequence[str]) -> int | None:
         work = plan[1](target, values)
     except UsageProblem:
         return None
+    return _perform(work, target)
+
+
+def _perform(work: Callable[[], None], target: Target) -> int:
+    """Run a command's work as click would: its failures as exit codes and `error:` lines."""
     try:
         work()
     except KeyboardInterrupt:  # as click: a blank line and "Aborted!"
@@ -111,6 +120,23 @@ def run(argv: Sequence[str]) -> int | None:
         report_failure(exc, target)
         raise
     return 0
+
+
+def resume() -> None:
+    """Where the C front (front.c) hands over a submit it sent without getting the plain answer back
+    (an error, a lost connection, a reply it does not read): `-c CODE SOCKET FD JSON`, the request it
+    sent in the memfd FD. Sent again with the same request_id, as `send` does after a lost connection,
+    so a job the daemon queued the first time is answered, not queued twice; then reported as here."""
+    import json
+
+    from gpusched_cli import run_submit
+
+    path, fd, as_json = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    with os.fdopen(fd, "rb") as sent:
+        message = json.loads(sent.read())
+    job = run_submit.Prepared(message["spec"], [], bool(message["hold"]), None, False, as_json)
+    target = Target(path)
+    sys.exit(_perform(lambda: run_submit.send(target, job, request_id=message["request_id"]), target))
 
 
 def main() -> None:

@@ -250,12 +250,14 @@ def _task_jobs(client: Client, after: list[After]) -> list[dict[str, Any]]:
     return out
 
 
-def send(target: Target, job: Prepared) -> None:
-    """Submit `job`, print what was queued, and with --wait block until it ends and exit with its status."""
+def send(target: Target, job: Prepared, request_id: str | None = None) -> None:
+    """Submit `job`, print what was queued, and with --wait block until it ends and exit with its status.
+    `request_id`: one this request was already sent with (by the C front, fastpath.resume)."""
     with connected(target, retry_broken_s=resubmit.RETRY_FOR_S) as client:
         if any(task is not None for _, task, _ in job.after):
             job.spec["after"] = _task_jobs(client, job.after)
-        message = messages.submit(job.spec, job.hold, array=job.array, request_id=resubmit.new_request_id())
+        message = messages.submit(job.spec, job.hold, array=job.array,
+                                  request_id=request_id or resubmit.new_request_id())
         submitted = resubmit.submit(client, message)
         with reading("submit", submitted):
             job_id, state = int(submitted["job_id"]), str(submitted["state"])

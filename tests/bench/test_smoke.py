@@ -45,8 +45,8 @@ def test_bench_footprint_quick() -> None:
 def test_bench_peers_quick() -> None:
     """Peers that are not installed here are skipped by the script itself, which still exits 0."""
     out = run_quick("bench_peers.py")
-    lines = [line for line in out.splitlines() if line.startswith(("gpusched ", "tsp ", "slurm "))]
-    assert [line.split()[0] for line in lines] == ["gpusched", "tsp", "slurm"]
+    lines = [line for line in out.splitlines() if line.startswith(("gpusched ", "gpusched-py ", "tsp ", "slurm "))]
+    assert [line.split()[0] for line in lines] == ["gpusched", "gpusched-py", "tsp", "slurm"]
     assert "skipped" not in lines[0], out  # gpusched itself must always be measured
     for line in lines[1:]:
         assert "skipped" in line or line.split()[1].replace(".", "", 1).isdigit(), line
