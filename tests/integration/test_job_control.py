@@ -40,8 +40,10 @@ def test_suspend_stops_the_whole_job_and_resume_continues_it(daemon: DaemonHandl
         wait_until(lambda: log_text(c, job_id).strip().isdigit(), what="child pid in log")
         child = int(log_text(c, job_id))
         # The job can write before the daemon has recorded it RUNNING (the shim reports its pid after
-        # the exec): wait for that, or a suspend in the window is rightly refused as STARTING.
-        job = wait_until(lambda: (j := c.call(ShowRequest(job_id=job_id), ShowResult).job).pid is not None and j,
+        # the exec, and the launch's pid is recorded while it is still STARTING): wait for RUNNING, or
+        # a suspend in the window is rightly refused as STARTING.
+        job = wait_until(lambda: ((j := c.call(ShowRequest(job_id=job_id), ShowResult).job).state is JobState.RUNNING
+                                  and j.pid is not None and j),
                          what="the job recorded RUNNING with its pid")
         assert job.pid is not None
         assert c.call(SuspendRequest(job_ids=[job_id]), JobsChanged).changed == [job_id]
