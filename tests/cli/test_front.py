@@ -280,6 +280,20 @@ def test_a_variable_given_twice_goes_to_python(fronts: Fronts, recorder: Callabl
     assert daemon.submits == []
 
 
+def test_a_spec_that_may_be_near_the_size_limit_goes_to_python(fronts: Fronts, recorder: Callable[..., Recorder],
+                                                                tmp_path: Path) -> None:
+    """Past submitspec.might_be_invalid's bound (4 bytes a character) the model judges the spec's real
+    size: Python's call. This one is within the limit, so Python sends it."""
+    daemon = recorder()
+    env = os.environ | {"GPUSCHED_SOCKET": daemon.path, "BIG": "x" * (submitspec.MAX_SPEC_BYTES // 4)}
+    args = ["submit", "--gpus", "1", "--", "true"]
+    alone = _run([fronts.alone], args, env=env, cwd=str(tmp_path))
+    assert alone.returncode == 1 and daemon.submits == []
+    done = _run([fronts.front], args, env=env, cwd=str(tmp_path))
+    assert (done.returncode, done.stdout) == (0, "Submitted job 7\n"), done.stderr
+    assert len(daemon.submits) == 1
+
+
 def test_shell_completion_goes_to_python(fronts: Fronts, recorder: Callable[..., Recorder], tmp_path: Path) -> None:
     daemon = recorder()
     env = os.environ | {"GPUSCHED_SOCKET": daemon.path, "_GPUSCHED_COMPLETE": "bash_source"}
