@@ -48,15 +48,17 @@ def shared_id(job: Job) -> Any:
     return job.__dict__["id"]
 
 
-def job_key(job: Job, expected_s: float = 0.0) -> JobKey:
+def job_key(job: Job, expected_s: float = 0.0, job_id: Any = None) -> JobKey:
     """Order within a user: lower nice first, then the earliest 'expected end had it started when
     submitted' (submitted_at + expected run time), then id.
 
     Among jobs submitted together that is shortest-expected-first; across time it is first come,
     first served, so a long job is never starved by a stream of shorter ones submitted after it
     (once newer jobs' submission times pass its key, they all sort behind it).
+
+    `job_id`: `shared_id(job)`, where the caller has it already (a restart files 100k jobs).
     """
-    return (job.spec.nice, job.submitted_at + expected_s, expected_s, shared_id(job))
+    return (job.spec.nice, job.submitted_at + expected_s, expected_s, shared_id(job) if job_id is None else job_id)
 
 
 def request_fraction(request: WholeRequest | MigRequest | ShareRequest | PartitionRequest,
@@ -167,7 +169,7 @@ class RunQueue:
 
     def submit(self, job: Job) -> None:
         """Add a pending job (idempotent: a job already held is replaced)."""
-        key = self._file(job)
+        key = self._file(job, shared_id(job))
         uq = self._users.get(job.user)
         if uq is None:
             uq = _UserQueue(SortedList())
@@ -183,11 +185,12 @@ class RunQueue:
         jobs sorted once and the user re-keyed once: a restart hands over its whole queue at once."""
         latest = {shared_id(job): job for job in jobs}
         by_user: dict[str, list[JobKey]] = {}
-        for job in latest.values():
-            key = self._file(job)
-            keys = by_user.get(job.user)
+        for job_id, job in latest.items():
+            key = self._file(job, job_id)
+            user = job.user
+            keys = by_user.get(user)
             if keys is None:
-                keys = by_user[job.user] = []
+                keys = by_user[user] = []
             keys.append(key)
         for user, keys in by_user.items():
             uq = self._users.get(user)
@@ -201,15 +204,14 @@ class RunQueue:
             if head_before is None or uq.jobs[0] != head_before:
                 self.rekey(user)
 
-    def _file(self, job: Job) -> JobKey:
-        """Enter a job in the tables (replacing an earlier copy) and return its key in its user's queue,
-        for the caller to add there."""
-        job_id = shared_id(job)
+    def _file(self, job: Job, job_id: Any) -> JobKey:
+        """Enter a job (`job_id`: its shared_id) in the tables (replacing an earlier copy) and return its
+        key in its user's queue, for the caller to add there."""
         if job_id in self._jobs:
             self.remove(job_id)
         self._jobs[job_id] = job
         self._count_demand(job, 1)
-        key = job_key(job, self._expected_of(job))
+        key = job_key(job, self._expected_of(job), job_id)
         self._keys[job_id] = key
         return key
 
