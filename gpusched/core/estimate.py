@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpusched.model import Job, MigRequest, PartitionRequest, ShareRequest, WholeRequest
+from gpusched.model import Job, JobSpec, MigRequest, PartitionRequest, ShareRequest, WholeRequest
 
 _COMMAND_CHARS = 256  # a command key is bounded: argv can be megabytes
 _ZEROS = (0,) * 8  # the default version of each key (an estimate looks at five)
@@ -51,7 +51,10 @@ class EstimatorConfig:
 
 def command_key(job: Job) -> str:
     """What 'the same command' means: the job's name if it has one, else its argv (bounded)."""
-    spec = job.spec
+    return _spec_command_key(job.spec)
+
+
+def _spec_command_key(spec: JobSpec) -> str:
     if spec.name:
         return "n:" + spec.name[:_COMMAND_CHARS]
     return "a:" + "\x00".join(spec.argv)[:_COMMAND_CHARS]
@@ -113,8 +116,10 @@ class RuntimeEstimator:
         self._job_keys: dict[int, tuple[str, ...]] = {}  # the jobs asked about lately (the heads, mostly)
         # An answer depends only on the keys up to the one it was read from (the more specific ones
         # were empty, the broader ones were not looked at): only their versions are kept, so the end
-        # of some other user's job (which moves the shape and global keys) leaves it valid.
-        self._memo: dict[tuple[tuple[str, ...], float | None], tuple[tuple[int, ...], Estimate]] = {}
+        # of some other user's job (which moves the shape and global keys) leaves it valid. With them
+        # the revision they were last checked at: while nothing has been learned since, they still
+        # hold without reading each again (a restart asks for 100k queued jobs in a row).
+        self._memo: dict[tuple[tuple[str, ...], float | None], tuple[int, tuple[int, ...], Estimate]] = {}
         # Commands with any history (live keys naming them). 100k queued jobs of a sweep are mostly
         # commands never seen: their estimate is their shape's, shared, with no per-command keys.
         self._cmds: dict[str, int] = {}
@@ -161,11 +166,12 @@ class RuntimeEstimator:
 
     def estimate(self, job: Job) -> Estimate:
         """Expected run time of a job that has not started: history, capped by its time limit."""
+        spec = job.spec  # (read once: each read of a model's field is a lookup when compiled)
         keys = self._job_keys.get(job.id)
         if keys is None:
-            cmd = command_key(job)
+            cmd = _spec_command_key(spec)
             # A command with no history at all: only the shape's keys can answer ("" is no key).
-            parts = (job.user, cmd if cmd in self._cmds else "", shape_key(job.spec.request))
+            parts = (job.user, cmd if cmd in self._cmds else "", shape_key(spec.request))
             keys = self._key_tuples.get(parts)
             if keys is None:
                 if len(self._key_tuples) >= _MEMO_MAX:
@@ -174,15 +180,19 @@ class RuntimeEstimator:
             if len(self._job_keys) >= _MEMO_MAX:
                 self._job_keys.clear()
             self._job_keys[job.id] = keys
-        memo_key = (keys, job.spec.time_limit_s)
+        memo_key = (keys, spec.time_limit_s)
         memo = self._memo.get(memo_key)
-        version = self._versions.get
-        if memo is not None and memo[0] == tuple(map(version, keys[: len(memo[0])], _ZEROS)):
-            return memo[1]
+        revision = self.revision
+        if memo is not None:
+            if memo[0] == revision:  # nothing learned since its versions were read: they are as they were
+                return memo[2]
+            if memo[1] == tuple(map(self._versions.get, keys[: len(memo[1])], _ZEROS)):
+                self._memo[memo_key] = (revision, memo[1], memo[2])
+                return memo[2]
         answer, depth = self._estimate(job, keys)
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
-        self._memo[memo_key] = (tuple(map(version, keys[:depth], _ZEROS)), answer)
+        self._memo[memo_key] = (revision, tuple(map(self._versions.get, keys[:depth], _ZEROS)), answer)
         return answer
 
     def _estimate(self, job: Job, keys: tuple[str, ...]) -> tuple[Estimate, int]:

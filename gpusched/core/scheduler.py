@@ -188,9 +188,9 @@ class Scheduler(PersistMixin):
 
     def _admit(self, job: Job) -> bool:
         """A job's entry in everything but the queue; False if it is not to be queued (it cannot run here)."""
-        if job.id in self._failed:
-            return False
         job_id = shared_id(job)  # the job's own int object: one entry per queued job (queue.shared_id)
+        if job_id in self._failed:
+            return False
         if self._shape is None:  # node not seen yet: the first plan checks every queued job
             self._pending_since.setdefault(job_id, pending_since(job))  # its history: a restart keeps the wait
         else:
