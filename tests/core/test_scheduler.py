@@ -514,9 +514,16 @@ def test_submitting_many_at_once_is_submitting_each_in_turn(
 ) -> None:
     """A restart hands its whole queue over with submit_many (each user's jobs sorted once): the same
     order, waits and decisions as submitting them one by one, onto a queue already holding some."""
+    # A job id given twice belongs to one user (a job is resubmitted by its owner; another user's job
+    # never takes its id): with two owners the one-by-one order depends on which copy came last.
+    owner: dict[int, str] = {}
+    for jid, user, *_ in (*before, *batch):
+        owner.setdefault(jid, user)
+
     def make(spec: tuple[int, str, int, int, float, float | None, str]) -> Any:
-        jid, user, gpus, nice, submitted, limit, job_class = spec
-        return job(jid, user, gpus=gpus, nice=nice, submitted=submitted, time_limit=limit, job_class=job_class)
+        jid, _, gpus, nice, submitted, limit, job_class = spec
+        return job(jid, owner[jid], gpus=gpus, nice=nice, submitted=submitted, time_limit=limit,
+                   job_class=job_class)
 
     gpus = (gpu(0), gpu(1))
     nodes = []
