@@ -143,22 +143,23 @@ class Compactor:
         self._stored_envs.share(id(shared), (shared, apart))
         return apart
 
-    def spec_bytes(self, spec: JobSpec) -> int:
-        """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
+    def spec_bytes(self, spec: JobSpec, measured: int | None = None) -> int:
+        """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job).
+        `measured`: what it is, when the caller knows (measured on an equal spec, the one submitted)."""
         found = self._sizes.get(id(spec))
         if found is not None and found[0] is spec:
             return found[1]
-        size = spec_bytes(spec)
+        size = spec_bytes(spec) if measured is None else measured
         self._sizes.share(id(spec), (spec, size))
         return size
 
-    def columns(self, spec: JobSpec) -> tuple[str, str, int]:
+    def columns(self, spec: JobSpec, measured: int | None = None) -> tuple[str, str, int]:
         """What a job's row stores beside its spec (display name, request, spec bytes), once per
-        shared spec: a sweep's submits all store the same."""
+        shared spec: a sweep's submits all store the same. `measured`: as for `spec_bytes`."""
         found = self._columns.get(id(spec))
         if found is not None and found[0] is spec:
             return found[1]
-        values = (display_name(spec), describe_request(spec.request), self.spec_bytes(spec))
+        values = (display_name(spec), describe_request(spec.request), self.spec_bytes(spec, measured))
         self._columns.share(id(spec), (spec, values))
         return values
 

@@ -166,8 +166,9 @@ class Store(StoreReader):
     # ---- jobs ------------------------------------------------------------------------------------
 
     def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted",
-               hold: bool = False, request_id: str | None = None) -> Job:
-        """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change."""
+               hold: bool = False, request_id: str | None = None, size: int | None = None) -> Job:
+        """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change;
+        `size`: spec_bytes(spec), if the caller has measured it (the engine has, for the per-user limits)."""
         history = _first_history(now, reason, hold)
         compact = self.compactor
         apart = compact.stored_env(spec.env)  # (JSON, digest), stored once in envs; None: small, inline
@@ -180,8 +181,8 @@ class Store(StoreReader):
             cur = db.execute(
                 "INSERT INTO jobs (uid, gid, user, spec, state, submitted_at, reason, display, request, spec_bytes,"
                 " env_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason, *compact.columns(shared),
-                 env_id),
+                (uid, gid, user, stored, history[-1].state.value, now, history[-1].reason,
+                 *compact.columns(shared, size), env_id),
             )
             job_id = cur.lastrowid
             assert job_id is not None
