@@ -1,5 +1,5 @@
 """A submit's measures and checks, kept equal to their plain definitions where the daemon takes a
-shorter way to them (model.spec_bytes, submittable.check_submittable)."""
+shorter way to them (model.spec_bytes, submittable.check_submittable, protocol_results.ok_body)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpusched.model import SPEC_STRING_OVERHEAD, JobSpec, WholeRequest, spec_bytes, utf8_len
+from gpusched.model import SPEC_STRING_OVERHEAD, JobSpec, JobState, WholeRequest, spec_bytes, utf8_len
+from gpusched.protocol import HEADER, SubmitResult, encode_frame, ok, ok_body
 from gpusched.submittable import MAX_ARG_STRLEN, check_submittable
 
 _any_text = st.text(max_size=6)  # lone surrogates and astral characters included
@@ -47,3 +48,16 @@ def test_a_string_execve_refuses_is_refused_at_its_first_byte_too_many(where: st
                 check_submittable(spec)
         else:
             check_submittable(spec)
+
+
+def test_the_submit_answer_written_by_hand_knows_every_field() -> None:
+    """ok_body writes a SubmitResult itself: a field added to it must be added there too."""
+    assert list(SubmitResult.model_fields) == ["job_id", "state", "tasks", "duplicate"]
+
+
+@given(job_id=st.integers(1, 2**63 - 1), state=st.sampled_from(JobState), tasks=st.none() | st.integers(0, 10**6),
+       duplicate=st.booleans())
+def test_a_submit_answer_is_the_bytes_of_the_general_path(job_id: int, state: JobState, tasks: int | None,
+                                                          duplicate: bool) -> None:
+    result = SubmitResult(job_id=job_id, state=state, tasks=tasks, duplicate=duplicate)
+    assert ok_body(result) == encode_frame(ok(result))[HEADER.size :]
