@@ -12,6 +12,7 @@ commit batches up to `--clients` of them. Only the measured submits are counted 
     python bench/instructions_submit.py                    # 2000 submits, 16 clients: prints instr/submit
     python bench/instructions_submit.py --submits 500 --clients 12
     python bench/instructions_submit.py --inner            # the driver alone, without valgrind
+    python bench/instructions_submit.py --quick            # its smoke run (tests/bench/test_smoke.py)
 
 Runs under valgrind (`apt-get install valgrind`) with PYTHONHASHSEED=0; compare two trees with the
 same arguments and the same GPUSCHED_PURE_PYTHON. Figures are of the tree the script lies in.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import os
 import re
 import shutil
@@ -140,14 +140,15 @@ def outer(args: argparse.Namespace, rest: list[str]) -> int:
         cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=sys_call_tracing",
                f"--callgrind-out-file={out}/callgrind.out.%p", sys.executable, os.path.abspath(__file__), "--inner",
                *rest]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        sys.stdout.write(proc.stdout)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate()
+        sys.stdout.write(stdout)
         if proc.returncode:
-            sys.stderr.write(proc.stderr[-4000:])
+            sys.stderr.write(stderr[-4000:])
             return proc.returncode
-        found = glob.glob(f"{out}/callgrind.out.*")
-        main_out = [p for p in found if not _is_child(p)]
-        with open(main_out[0]) as f:
+        # valgrind runs the program in its own process: the daemon's figures are those of that pid
+        # (a process forked from it, without an exec, would write its own file beside)
+        with open(f"{out}/callgrind.out.{proc.pid}") as f:
             match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
         assert match is not None, "no totals in callgrind's output"
         total = int(match.group(1))
@@ -158,20 +159,16 @@ def outer(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _is_child(path: str) -> bool:
-    """A forked child's output (a pid whose parent was valgrind'ed too): not the daemon's loop."""
-    with open(path) as f:
-        head = f.read(2000)
-    return "--inner" not in head
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--submits", type=int, default=2000, help="submits counted")
     parser.add_argument("--warmup", type=int, default=400, help="submits before counting (caches, first batches)")
     parser.add_argument("--clients", type=int, default=16, help="connections, one submit in flight each")
     parser.add_argument("--inner", action="store_true", help="run the driver itself (what valgrind runs)")
+    parser.add_argument("--quick", action="store_true", help="the driver alone, 50 submits after 20: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        return inner(50, 20, args.clients)
     if args.inner:
         return inner(args.submits, args.warmup, args.clients)
     rest = ["--submits", str(args.submits), "--warmup", str(args.warmup), "--clients", str(args.clients)]
