@@ -191,11 +191,15 @@ def spec_bytes(spec: JobSpec) -> int:
     last = _last_measured
     if last[0] is spec:  # a spec is frozen: the validator measured it, the per-user limits ask again
         return last[1]
-    strings = [*spec.argv, spec.cwd, *(f"{k}={v}" for k, v in spec.env.items())]
+    env = spec.env
+    # A variable is `NAME=value`: its name and value, and one byte for the `=` (added below), without
+    # making each string. One join, and an encode only for text that is not ASCII (each character one byte).
+    strings = [*spec.argv, spec.cwd, *env, *env.values()]
     if spec.name is not None:
         strings.append(spec.name)
-    # One join and one encode, not one per string: a restart counts this for every queued job.
-    size = utf8_len("".join(strings)) + SPEC_STRING_OVERHEAD * len(strings)
+    text = "".join(strings)
+    count = len(strings) - len(env)  # strings of the spec: a variable's name and value are one
+    size = (len(text) if text.isascii() else utf8_len(text)) + len(env) + SPEC_STRING_OVERHEAD * count
     _last_measured = (spec, size)
     return size
 

@@ -143,22 +143,23 @@ class Compactor:
         self._stored_envs.share(id(shared), (shared, apart))
         return apart
 
-    def spec_bytes(self, spec: JobSpec) -> int:
-        """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job)."""
+    def spec_bytes(self, spec: JobSpec, measured: int | None = None) -> int:
+        """`model.spec_bytes`, once per shared spec (per-user byte limits count every queued job).
+        `measured`: what it is, when the caller knows (measured on an equal spec, the one submitted)."""
         found = self._sizes.get(id(spec))
         if found is not None and found[0] is spec:
             return found[1]
-        size = spec_bytes(spec)
+        size = spec_bytes(spec) if measured is None else measured
         self._sizes.share(id(spec), (spec, size))
         return size
 
-    def columns(self, spec: JobSpec) -> tuple[str, str, int]:
+    def columns(self, spec: JobSpec, measured: int | None = None) -> tuple[str, str, int]:
         """What a job's row stores beside its spec (display name, request, spec bytes), once per
-        shared spec: a sweep's submits all store the same."""
+        shared spec: a sweep's submits all store the same. `measured`: as for `spec_bytes`."""
         found = self._columns.get(id(spec))
         if found is not None and found[0] is spec:
             return found[1]
-        values = (display_name(spec), describe_request(spec.request), self.spec_bytes(spec))
+        values = (display_name(spec), describe_request(spec.request), self.spec_bytes(spec, measured))
         self._columns.share(id(spec), (spec, values))
         return values
 
@@ -174,7 +175,12 @@ class Compactor:
         if found is not None:
             self._specs.move_to_end(key)
             return found
-        return self._specs.share(key, self._build(spec.model_dump()))
+        # Its fields as spec.model_dump() has them, without the dump (21k instructions of a submit's ~470k):
+        # only the request and the dependencies are models, flat ones whose __dict__ is their dump, and
+        # _build copies what it does not share (a dependency) or shares it as it comes (the rest).
+        fields = spec.__dict__
+        return self._specs.share(key, self._build({**fields, "request": fields["request"].__dict__,
+                                                   "after": [d.__dict__ for d in fields["after"]]}))
 
     def spec_from_json(self, text: str, env: tuple[dict[str, str], bytes] | None = None) -> JobSpec:
         """A spec the daemon itself stored: not validated again (it was at submission), unless its

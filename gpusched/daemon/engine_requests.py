@@ -68,7 +68,7 @@ class RequestsMixin(EngineCore):
         def apply() -> tuple[int | None, list[Job]]:
             if tasks is None:
                 return None, [self.store.submit(uid=uid, gid=gid, user=user, spec=spec, now=now, hold=hold,
-                                                request_id=request_id)]
+                                                request_id=request_id, size=size)]
             return self.store.submit_array(uid=uid, gid=gid, user=user, spec=spec, now=now, array=tasks, hold=hold,
                                            request_id=request_id)
 

@@ -73,3 +73,10 @@ def test_bench_cli_quick() -> None:
     assert "python -c pass" in out
     for command in ("submit", "queue", "show", "cancel"):
         assert f"  {command}: p50 " in out, out
+
+
+@pytest.mark.timeout(120)
+def test_instructions_submit_quick() -> None:
+    """The driver alone (no valgrind): every submit answered ok, in batches of group commit."""
+    out = run_quick("instructions_submit.py")
+    assert "70 submits answered (0 not ok)" in out, out

@@ -12,13 +12,24 @@ from hypothesis import strategies as st
 from gpusched.daemon import compact
 from gpusched.daemon.compact import Compactor, _Pool, _Table
 from gpusched.daemon.store import Store
-from gpusched.model import Dependency, Job, JobSpec, JobState, MigRequest, ShareRequest, WholeRequest, spec_bytes
+from gpusched.model import (
+    Dependency,
+    Job,
+    JobSpec,
+    JobState,
+    MigRequest,
+    PartitionRequest,
+    ShareRequest,
+    WholeRequest,
+    spec_bytes,
+)
 
 _text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=12)
 _requests = st.one_of(
     st.builds(WholeRequest, gpus=st.integers(1, 8)),
     st.builds(MigRequest, profile=st.sampled_from(["1g.10gb", "3g.40gb", "1g.20gb+me"])),
     st.builds(ShareRequest, fraction=st.floats(0.01, 1.0), gpu_mem_mib=st.integers(1, 80_000)),
+    st.builds(PartitionRequest, mode=st.sampled_from(["SPX", "DPX", "QPX", "CPX"]), gpus=st.integers(1, 8)),
 )
 _specs = st.builds(
     JobSpec,

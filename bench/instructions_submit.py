@@ -1,0 +1,179 @@
+"""The daemon's instructions per submit under many concurrent clients, counted by callgrind.
+
+Wall-clock rates are noise on a small, shared machine; instruction counts are not. The daemon is
+booted in-process (as tests/conftest.py boots it) with every GPU drained, so nothing starts and
+no process is forked. `--clients` connections are served by the real `Server._session` (framing,
+parsing, handler, engine, group commit, scheduling pass, the answer), each fed its submit frames
+as the CLI encodes them through an in-memory reader, and answered into a writer that only checks
+each answer says ok; one submit in flight per connection, as a blocking client has it, so group
+commit batches up to `--clients` of them. Only the measured submits are counted (they run inside
+`sys.call_tracing`, callgrind's --toggle-collect point): start-up and `--warmup` submits are not.
+
+    python bench/instructions_submit.py                    # 2000 submits, 16 clients: prints instr/submit
+    python bench/instructions_submit.py --submits 500 --clients 12
+    python bench/instructions_submit.py --inner            # the driver alone, without valgrind
+    python bench/instructions_submit.py --quick            # its smoke run (tests/bench/test_smoke.py)
+
+Runs under valgrind (`apt-get install valgrind`) with PYTHONHASHSEED=0; compare two trees with the
+same arguments and the same GPUSCHED_PURE_PYTHON. Figures are of the tree the script lies in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, cast
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpusched.config import DaemonConfig
+from gpusched.daemon import main as daemon_main
+from gpusched.daemon.handlers import Peer
+from gpusched.daemon.server import Server
+from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, SubmitRequest, encode_frame
+from gpusched.wire import HEADER
+
+SIM = "H100-80GB:8"
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/alice", "LANG": "C.UTF-8"}
+PEER = Peer(pid=4242, uid=4242, gid=4242)  # an ordinary user: the per-user limits are checked too
+_OK = b'{"ok":true'
+
+
+class _Answers:
+    """The connection's writer: counts answers, and those that are not ok (the transport is itself)."""
+
+    def __init__(self, done: asyncio.Event, target: list[int]) -> None:
+        self.transport = self
+        self.answers = 0
+        self.refused = 0
+        self._done, self._target = done, target
+
+    def write(self, data: bytes) -> None:
+        if not data.startswith(_OK, HEADER.size):
+            self.refused += 1
+        self.answers += 1
+        if self.answers == self._target[0]:
+            self._done.set()
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # the kernel took it all: no drain
+
+
+class _Client:
+    """One connection: its session, the frames fed to it, and what it was answered."""
+
+    def __init__(self, server: Server) -> None:
+        self.reader = asyncio.StreamReader()
+        self.done = asyncio.Event()
+        self.target = [0]
+        self.writer = _Answers(self.done, self.target)
+        self.session = asyncio.ensure_future(
+            server._session(self.reader, cast(asyncio.StreamWriter, self.writer), PEER))
+
+    async def send(self, frames: list[bytes]) -> None:
+        """Feed `frames` and wait for their answers (the session reads the next after answering one)."""
+        self.done.clear()
+        self.target[0] = self.writer.answers + len(frames)
+        self.reader.feed_data(b"".join(frames))
+        await self.done.wait()
+
+
+def _submit_frame(i: int) -> bytes:
+    spec = {"argv": ["python", "train.py", f"--seed={i}"], "cwd": "/home/alice/sweep", "env": ENV,
+            "request": {"kind": "whole", "gpus": 1}}
+    return encode_frame(SubmitRequest.model_validate({"spec": spec}).model_dump(mode="json"))
+
+
+async def _round(clients: list[_Client], frames: list[bytes]) -> None:
+    """Each client sends its share of `frames` (one at a time, as a blocking client does)."""
+    shares = [frames[i :: len(clients)] for i in range(len(clients))]
+    await asyncio.gather(*(c.send(share) for c, share in zip(clients, shares, strict=True) if share))
+
+
+def inner(submits: int, warmup: int, clients: int) -> int:
+    base = tempfile.mkdtemp(prefix="gsi", dir="/tmp")
+    config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"), sim=SIM,
+                          allow_root_jobs=True, cgroup_root="off", max_pending_per_user=10**7,
+                          submit_rate_per_user=1e9)
+    frames = [_submit_frame(i) for i in range(warmup + submits)]
+    hello = encode_frame(HelloRequest(version=PROTOCOL_VERSION, client="bench").model_dump(mode="json"))
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    daemon = loop.run_until_complete(daemon_main.start(config))
+    try:
+        for gpu in range(8):  # nothing starts: the queue only grows, as behind a long job
+            daemon.engine.drain(str(gpu), "bench")
+        conns = [_Client(daemon.server) for _ in range(clients)]
+        loop.run_until_complete(_round(conns, [hello] * clients))
+        loop.run_until_complete(_round(conns, frames[:warmup]))
+        commits, writes = daemon.engine.commits.commits, daemon.engine.commits.writes
+        # Counted by callgrind (--toggle-collect=sys_call_tracing): the measured submits only.
+        sys.call_tracing(loop.run_until_complete, (_round(conns, frames[warmup:]),))
+        batches = daemon.engine.commits.commits - commits
+        mean = (daemon.engine.commits.writes - writes) / max(1, batches)
+        for c in conns:
+            c.reader.feed_eof()
+        loop.run_until_complete(asyncio.gather(*(c.session for c in conns)))
+        refused = sum(c.writer.refused for c in conns)
+        answered = sum(c.writer.answers for c in conns) - clients
+        print(f"{answered} submits answered ({refused} not ok), {batches} commits of {mean:.1f} on average, "
+              f"{len(daemon.engine.jobs)} jobs queued")
+        if refused or answered != warmup + submits:
+            return 1
+    finally:
+        loop.run_until_complete(daemon_main.stop(daemon))
+        loop.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def outer(args: argparse.Namespace, rest: list[str]) -> int:
+    out = tempfile.mkdtemp(prefix="gsi-cg")
+    try:
+        env: dict[str, Any] = {**os.environ, "PYTHONHASHSEED": "0"}
+        cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=sys_call_tracing",
+               f"--callgrind-out-file={out}/callgrind.out.%p", sys.executable, os.path.abspath(__file__), "--inner",
+               *rest]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate()
+        sys.stdout.write(stdout)
+        if proc.returncode:
+            sys.stderr.write(stderr[-4000:])
+            return proc.returncode
+        # valgrind runs the program in its own process: the daemon's figures are those of that pid
+        # (a process forked from it, without an exec, would write its own file beside)
+        with open(f"{out}/callgrind.out.{proc.pid}") as f:
+            match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+        assert match is not None, "no totals in callgrind's output"
+        total = int(match.group(1))
+        print(f"{total / args.submits:,.0f} instructions per submit ({total:,} for {args.submits} submits, "
+              f"{args.clients} clients, after {args.warmup} warm-up submits)")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--submits", type=int, default=2000, help="submits counted")
+    parser.add_argument("--warmup", type=int, default=400, help="submits before counting (caches, first batches)")
+    parser.add_argument("--clients", type=int, default=16, help="connections, one submit in flight each")
+    parser.add_argument("--inner", action="store_true", help="run the driver itself (what valgrind runs)")
+    parser.add_argument("--quick", action="store_true", help="the driver alone, 50 submits after 20: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        return inner(50, 20, args.clients)
+    if args.inner:
+        return inner(args.submits, args.warmup, args.clients)
+    rest = ["--submits", str(args.submits), "--warmup", str(args.warmup), "--clients", str(args.clients)]
+    return outer(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
