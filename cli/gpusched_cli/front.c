@@ -52,6 +52,8 @@
 #define SPEC_STRING_OVERHEAD 9u
 #define MAX_NAME 128u
 #define MAX_PROFILE 32u
+#define MAX_TIME_LIMIT_S (365L * 86400L) /* run_submit.MAX_TIME_LIMIT_S */
+#define MAX_MEM_MIB ((1LL << 43) - 1)     /* wire.MAX_MEM_MIB */
 #define TIMEOUT_S 60      /* the Python client's socket timeout */
 #define PROBE_TIMEOUT_S 1 /* resolve_socket's probe of a default socket */
 #define EXIT_ERROR 1
@@ -168,6 +170,114 @@ static bool is_mig_profile(const char *s) {
     return strcmp(p, "gb") == 0 || strcmp(p, "gb+me") == 0;
 }
 
+/* ASCII digits at *p (at most `most` of them, so no sum below can overflow) into *out; false if none. */
+static bool digits(const char **p, int most, long long *out) {
+    long long value = 0;
+    int n = 0;
+    for (; **p >= '0' && **p <= '9'; (*p)++, n++) {
+        if (n == most)
+            return false;
+        value = value * 10 + (**p - '0');
+    }
+    *out = value;
+    return n > 0;
+}
+
+/* parse.parse_duration_s's suffix form: `30s`, `5m`, `2h`, `1d`, combined in that order, each once,
+ * either case. */
+static bool parse_suffixed(const char *p, long long *total) {
+    static const char units[] = "dhms";
+    static const long long unit_s[] = {86400, 3600, 60, 1};
+    int next = 0; /* the first unit still allowed */
+    long long value;
+    *total = 0;
+    if (*p == '\0')
+        return false;
+    while (*p) {
+        if (!digits(&p, 9, &value) || *p == '\0')
+            return false;
+        const char *unit = memchr(units + next, *p | 0x20, sizeof units - 1 - (size_t)next);
+        if (unit == NULL)
+            return false;
+        next = (int)(unit - units) + 1;
+        *total += value * unit_s[unit - units];
+        p++;
+    }
+    return true;
+}
+
+/* parse.parse_duration_s and run_submit.time_limit, for text without blanks: the suffix form, else
+ * Slurm's M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; over zero and at most 365 days. Anything else (blanks,
+ * the newline `$` lets through, a refusal to word) is Python's. */
+static bool parse_duration(const char *text, long long *seconds) {
+    long long total;
+    if (!parse_suffixed(text, &total)) {
+        const char *p = text;
+        long long fields[3] = {0, 0, 0}, days = -1;
+        int n = 0;
+        if (!digits(&p, 9, &fields[0]))
+            return false;
+        if (*p == '-') {
+            days = fields[0];
+            p++;
+            if (!digits(&p, 9, &fields[0]))
+                return false;
+        }
+        n = 1;
+        while (*p == ':' && n < 3) {
+            p++;
+            if (!digits(&p, 9, &fields[n++]))
+                return false;
+        }
+        if (*p != '\0')
+            return false;
+        if (days >= 0)
+            total = ((days * 24 + fields[0]) * 60 + fields[1]) * 60 + fields[2]; /* D-H[:M[:S]] */
+        else if (n == 3)
+            total = (fields[0] * 60 + fields[1]) * 60 + fields[2]; /* H:M:S */
+        else
+            total = fields[0] * 60 + fields[1]; /* M[:S] */
+    }
+    if (total <= 0 || total > MAX_TIME_LIMIT_S)
+        return false;
+    *seconds = total;
+    return true;
+}
+
+/* parse.parse_size_mib for a whole number with an optional unit K, M, G or T (B or iB after it, either
+ * case): MiB, rounded up, at least 1, at most wire.MAX_MEM_MIB; the same double arithmetic as Python's.
+ * A fraction, blanks or anything else is Python's. */
+static bool parse_size_mib(const char *text, long long *mib) {
+    const char *p = text;
+    long long number;
+    if (!digits(&p, 15, &number))
+        return false;
+    double scale = 1.0;
+    if (*p != '\0') {
+        switch (*p | 0x20) {
+        case 'k': scale = 1.0 / 1024.0; break;
+        case 'm': scale = 1.0; break;
+        case 'g': scale = 1024.0; break;
+        case 't': scale = 1024.0 * 1024.0; break;
+        default: return false;
+        }
+        p++;
+        if ((*p | 0x20) == 'i' && (p[1] | 0x20) == 'b')
+            p += 2;
+        else if ((*p | 0x20) == 'b')
+            p++;
+    }
+    double value = (double)number * scale;
+    if (*p != '\0' || value <= 0 || value > (double)MAX_MEM_MIB)
+        return false;
+    double forgiven = value - 1e-9; /* math.ceil(mib - 1e-9): positive here, so ceil is truncate-and-step */
+    long long up = (long long)forgiven;
+    if ((double)up < forgiven)
+        up++;
+    *mib = up < 1 ? 1 : up;
+    return *mib <= MAX_MEM_MIB;
+}
+
 /* Not empty once Python's str.strip() has taken the ASCII whitespace off (run_submit.prepare). */
 static bool has_visible(const char *s) {
     for (; *s; s++)
@@ -254,15 +364,17 @@ typedef struct {
     long gpus; /* 0: not given */
     const char *mig, *name, *job_class, *precision, *export_;
     long nice, cpus; /* cpus 0: not given */
+    long long time_limit_s, mem_mib; /* 0: not given */
     bool requeue, hold, as_json;
     char **command;
     int ncommand;
 } Submit;
 
-enum { O_GPUS, O_MIG, O_NAME, O_CLASS, O_NICE, O_REQUEUE, O_CPUS, O_HOLD, O_EXPORT, O_PRECISION, O_JSON, O_OTHER };
+enum { O_GPUS, O_MIG, O_NAME, O_TIME, O_CLASS, O_NICE, O_REQUEUE, O_CPUS, O_MEM, O_HOLD, O_EXPORT, O_PRECISION, O_JSON,
+       O_OTHER };
 
-/* SUBMIT's options (run_submit.py). Those marked O_OTHER (--partition, --share, --gpu-mem, --time,
- * --after, --mem, --array, --wait) are Python's: a command line with one goes to it whole. */
+/* SUBMIT's options (run_submit.py). Those marked O_OTHER (--partition, --share, --gpu-mem, --after,
+ * --array, --wait) are Python's: a command line with one goes to it whole. */
 static const struct {
     const char *flag;
     int id;
@@ -272,8 +384,8 @@ static const struct {
     {"--class", O_CLASS, false},     {"--nice", O_NICE, false},       {"--requeue", O_REQUEUE, true},
     {"--cpus", O_CPUS, false},       {"--hold", O_HOLD, true},        {"--export", O_EXPORT, false},
     {"--precision", O_PRECISION, false}, {"--json", O_JSON, true},    {"--partition", O_OTHER, false},
-    {"--share", O_OTHER, false},     {"--gpu-mem", O_OTHER, false},   {"--time", O_OTHER, false},
-    {"--after", O_OTHER, false},     {"--mem", O_OTHER, false},       {"--array", O_OTHER, false},
+    {"--share", O_OTHER, false},     {"--gpu-mem", O_OTHER, false},   {"--time", O_TIME, false},
+    {"--after", O_OTHER, false},     {"--mem", O_MEM, false},         {"--array", O_OTHER, false},
     {"--wait", O_OTHER, true},
 };
 
@@ -359,6 +471,10 @@ static bool parse(int argc, char **argv, Submit *s) {
         return false;
     if (seen[O_CPUS] && !parse_int(values[O_CPUS], 1, 4096, &s->cpus))
         return false;
+    if (seen[O_TIME] && !parse_duration(values[O_TIME], &s->time_limit_s))
+        return false;
+    if (seen[O_MEM] && !parse_size_mib(values[O_MEM], &s->mem_mib))
+        return false;
     s->precision = values[O_PRECISION];
     if (s->precision != NULL && !one_of(s->precision, precisions))
         return false;
@@ -434,7 +550,13 @@ static bool build_request(const Submit *s, Buf *b) {
     put_json_or_null(b, s->name);
     if (s->name != NULL)
         bound += 4 * strlen(s->name) + SPEC_STRING_OVERHEAD;
-    put(b, ",\"time_limit_s\":null,\"job_class\":");
+    if (s->time_limit_s != 0) { /* a float on the wire, as Python's repr writes a whole one: 300.0 */
+        put(b, ",\"time_limit_s\":");
+        put_long(b, (long)s->time_limit_s);
+        put(b, ".0,\"job_class\":");
+    } else {
+        put(b, ",\"time_limit_s\":null,\"job_class\":");
+    }
     put_json(b, s->job_class);
     put(b, ",\"nice\":");
     put_long(b, s->nice);
@@ -446,7 +568,12 @@ static bool build_request(const Submit *s, Buf *b) {
         put_long(b, s->cpus);
     else
         put(b, "null");
-    put(b, ",\"mem_mib\":null},\"hold\":");
+    put(b, ",\"mem_mib\":");
+    if (s->mem_mib != 0)
+        put_long(b, (long)s->mem_mib);
+    else
+        put(b, "null");
+    put(b, "},\"hold\":");
     put(b, s->hold ? "true" : "false");
     unsigned char id[16];
     if (getrandom(id, sizeof id, 0) != (ssize_t)sizeof id)

@@ -30,9 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpusched import wire
-from gpusched_cli import front_build, submitspec
+from gpusched_cli import front_build, run_submit, submitspec
 from gpusched_cli.client import Client
-from gpusched_cli.run_submit import SUBMIT
+from gpusched_cli.parse import parse_size_mib
+from gpusched_cli.run_submit import SUBMIT, time_limit
 from tests.conftest import DaemonHandle, short_tmpdir, wait_until
 
 MISSING_PYTHON = "/nonexistent/python-for-the-front-test"
@@ -141,6 +142,37 @@ _TEXT = st.text(st.characters(min_codepoint=1, max_codepoint=127), max_size=12)
 _NAME = st.text(st.characters(min_codepoint=ord("A"), max_codepoint=ord("Z")) | st.just("_"), min_size=1, max_size=8)
 
 
+def _accepted(convert: Callable[[str], Any]) -> Callable[[str], bool]:
+    def check(text: str) -> bool:
+        try:
+            convert(text)
+        except ValueError:
+            return False
+        return True
+    return check
+
+
+def _suffixed(parts: list[tuple[str, int]], cases: list[bool]) -> str:
+    return "".join(f"{n}{unit.upper() if upper else unit}" for (unit, n), upper in zip(parts, cases, strict=False))
+
+
+# --time in each form the front takes itself (no blanks): suffixes in order, Slurm's forms.
+_TIMES = st.one_of(
+    st.builds(_suffixed, st.lists(st.sampled_from("dhms"), min_size=1, max_size=4, unique=True).flatmap(
+        lambda units: st.tuples(*[st.tuples(st.just(u), st.integers(0, 400)) for u in sorted(units, key="dhms".index)])
+    ).map(list), st.lists(st.booleans(), min_size=4, max_size=4)),
+    st.builds(lambda d, h, m, sec, shape: shape.format(d=d, h=h, m=m, s=sec), st.integers(0, 400),
+              st.integers(0, 99), st.integers(0, 9999), st.integers(0, 99),
+              st.sampled_from(["{m}", "{m}:{s}", "{h}:{m}:{s}", "{d}-{h}", "{d}-{h}:{m}", "{d}-{h}:{m}:{s}",
+                               "0{m}"])),
+).filter(_accepted(time_limit))
+# --mem as a whole number with an optional unit, B or iB, in any case.
+_SIZES = st.builds(lambda n, unit, tail: f"{n}{unit}{tail if unit else ''}", st.integers(1, 10**7),
+                   st.sampled_from(["", "k", "K", "m", "M", "g", "G", "t", "T"]),
+                   st.sampled_from(["", "b", "B", "ib", "iB", "IB"])).filter(
+    lambda text: _accepted(parse_size_mib)(text) and parse_size_mib(text) <= wire.MAX_MEM_MIB)
+
+
 @st.composite
 def plain_submits(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
     """A command line the front takes whole, in any order and form, and extra environment."""
@@ -166,6 +198,10 @@ def plain_submits(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
         options.append(valued("--precision", draw(st.sampled_from(["fp16", "bf16", "fp32", "tf32"]))))
     if draw(st.booleans()):
         options.append(valued("--export", "ALL"))
+    if draw(st.booleans()):
+        options.append(valued("--time", draw(_TIMES)))
+    if draw(st.booleans()):
+        options.append(valued("--mem", draw(_SIZES)))
     for flag in ("--requeue", "--hold", "--json"):
         if draw(st.booleans()):
             options.append([flag])
@@ -178,7 +214,7 @@ def plain_submits(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(submit=plain_submits(), by_option=st.booleans())
 def test_the_front_sends_the_frame_python_sends(fronts: Fronts, recorder: Callable[..., Recorder],
                                                 submit: tuple[list[str], dict[str, str]], by_option: bool,
@@ -200,6 +236,22 @@ def test_the_front_sends_the_frame_python_sends(fronts: Fronts, recorder: Callab
     assert front_id != python_id
 
 
+@pytest.mark.parametrize(("flag", "values"), [
+    ("--time", ["90", "10:30", "1:02:03", "2-3", "2-3:04", "2-3:04:05", "30s", "5M", "2h", "1d", "1h30m",
+                "1D2h3M4S", "007", "365d", "0-0:0:1"]),
+    ("--mem", ["1", "1k", "1023K", "1025k", "512M", "10G", "1GiB", "2gb", "1T", "3tib", "8388607T"]),
+])
+def test_each_form_of_a_time_and_a_size_is_read_as_python_reads_it(
+        fronts: Fronts, recorder: Callable[..., Recorder], flag: str, values: list[str], tmp_path: Path) -> None:
+    daemon = recorder()
+    for value in values:
+        args = ["--socket", daemon.path, "submit", "--gpus", "1", flag, value, "--", "true"]
+        ours, python = _run([fronts.alone], args, cwd=str(tmp_path)), _run(PYTHON_CLI, args, cwd=str(tmp_path))
+        assert ours.returncode == python.returncode == 0, (value, ours.stderr)
+        front_frame, python_frame = (_masked(frame)[0] for frame in daemon.submits[-2:])
+        assert front_frame == python_frame, value
+
+
 def test_the_front_finds_a_users_own_daemon_as_python_does(fronts: Fronts, recorder: Callable[..., Recorder],
                                                             tmp_path: Path) -> None:
     runtime = short_tmpdir()
@@ -218,11 +270,23 @@ def test_the_front_finds_a_users_own_daemon_as_python_does(fronts: Fronts, recor
 HANDED_OVER = [
     ["queue"],
     ["submit", "--help"],
-    ["submit", "--gpus", "1", "--time", "5", "--", "true"],
+    ["submit", "--gpus", "1", "--time", " 5", "--", "true"],  # blanks: Python's, which takes them
+    ["submit", "--gpus", "1", "--time", "0", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "0s", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "366d", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "1h1d", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "1h30", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "5\n", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "1:2:3:4", "--", "true"],
+    ["submit", "--gpus", "1", "--time", "9999999999", "--", "true"],
+    ["submit", "--gpus", "1", "--mem", "1.5G", "--", "true"],  # a fraction: Python's, which takes it
+    ["submit", "--gpus", "1", "--mem", "0G", "--", "true"],
+    ["submit", "--gpus", "1", "--mem", "10 G", "--", "true"],
+    ["submit", "--gpus", "1", "--mem", "8388608T", "--", "true"],
+    ["submit", "--gpus", "1", "--mem", "1Gb2", "--", "true"],
     ["submit", "--gpus", "1", "--wait", "--", "true"],
     ["submit", "--gpus", "1", "--array", "1-3", "--", "true"],
     ["submit", "--gpus", "1", "--after", "3", "--", "true"],
-    ["submit", "--gpus", "1", "--mem", "1G", "--", "true"],
     ["submit", "--share", "0.5", "--gpu-mem", "1G", "--", "true"],
     ["submit", "--partition", "cpx", "--", "true"],
     ["submit", "--gpus", "1", "--export", "NONE", "--", "true"],
@@ -401,8 +465,8 @@ def test_a_closed_output_exits_as_python_does(fronts: Fronts, recorder: Callable
 
 def test_a_job_submitted_by_the_front_is_the_job_python_submits(fronts: Fronts, daemon: DaemonHandle,
                                                                 tmp_path: Path) -> None:
-    args = ["--socket", daemon.socket, "submit", "--gpus", "1", "--name", "same", "--hold", "--", "sh", "-c",
-            "echo 'it works'"]
+    args = ["--socket", daemon.socket, "submit", "--gpus", "1", "--name", "same", "--time", "1h", "--mem", "1G",
+            "--hold", "--", "sh", "-c", "echo 'it works'"]
     ours = _run([fronts.alone], args, cwd=str(tmp_path))
     python = _run(PYTHON_CLI, args, cwd=str(tmp_path))
     assert ours.returncode == python.returncode == 0, ours.stderr
@@ -437,6 +501,8 @@ def test_the_fronts_numbers_are_the_protocols() -> None:
     assert defines["SPEC_STRING_OVERHEAD"] == f"{submitspec.SPEC_STRING_OVERHEAD}u"
     assert defines["MAX_NAME"] == f"{submitspec.MAX_NAME}u"
     assert defines["MAX_PROFILE"] == f"{submitspec.MAX_PROFILE}u"
+    assert defines["MAX_TIME_LIMIT_S"] == "(365L * 86400L)" and run_submit.MAX_TIME_LIMIT_S == 365 * 86400
+    assert defines["MAX_MEM_MIB"] == "((1LL << 43) - 1)" and wire.MAX_MEM_MIB == (1 << 43) - 1
 
 
 def test_every_submit_option_is_known_to_the_front() -> None:
