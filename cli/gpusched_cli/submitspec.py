@@ -23,18 +23,24 @@ MAX_AFTER = 64
 
 
 def submitting_environ() -> dict[str, str]:
-    """The environment `submit` passes on. In the C locale Python adds LC_CTYPE=C.UTF-8 to its own
-    environment at start (PEP 538): a job from cron or a bare ssh must not get a locale its
-    submitter never had, so that one variable is left out when the process was not started with it."""
+    """The environment `submit` passes on. In the C locale Python sets LC_CTYPE=C.UTF-8 in its own
+    environment at start (PEP 538), over what was there: a job from cron or a bare ssh must not get
+    a locale its submitter never had, so that one variable goes back to what the process was started
+    with (`LC_CTYPE=0`, an unknown locale, stays `0`), or is left out if it had none."""
     env = dict(os.environ)
     if env.get("LC_CTYPE") == "C.UTF-8":
         try:
             with open("/proc/self/environ", "rb") as f:
-                started_with = {item.partition(b"=")[0] for item in f.read().split(b"\0")}
+                started_with = f.read().split(b"\0")
         except OSError:
             return env
-        if b"LC_CTYPE" not in started_with:
+        # The first one, as os.environ takes a variable given twice.
+        given = next((value for name, _, value in (item.partition(b"=") for item in started_with)
+                      if name == b"LC_CTYPE"), None)
+        if given is None:
             del env["LC_CTYPE"]
+        else:
+            env["LC_CTYPE"] = os.fsdecode(given)
     return env
 
 

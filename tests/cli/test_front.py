@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpusched import wire
@@ -216,6 +216,7 @@ def plain_submits(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(submit=plain_submits(), by_option=st.booleans())
+@example(submit=(["submit", "--mig", "1g.10gb", "true"], {"LC_CTYPE": "0"}), by_option=False)  # PEP 538 coerces it
 def test_the_front_sends_the_frame_python_sends(fronts: Fronts, recorder: Callable[..., Recorder],
                                                 submit: tuple[list[str], dict[str, str]], by_option: bool,
                                                 tmp_path: Path) -> None:

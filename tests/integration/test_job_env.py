@@ -127,6 +127,17 @@ def test_a_c_locale_submitter_does_not_hand_the_job_an_lc_ctype_it_never_had(dae
     assert "LC_CTYPE" not in env, f"job got LC_CTYPE={env.get('LC_CTYPE')}"
 
 
+def test_a_submitter_whose_lc_ctype_python_coerced_passes_on_its_own_value(daemon_factory: Any) -> None:
+    """PEP 538 also coerces an LC_CTYPE naming no locale (`0`), writing C.UTF-8 over it: the job gets
+    the submitter's `0`, as the C front sends it (found by tests/cli/test_front.py's property)."""
+    d = daemon_factory()
+    out = cli(d, "submit", "--gpus", "1", "--wait", "--", "env", env={"PATH": "/usr/bin:/bin", "LC_CTYPE": "0"})
+    assert out.returncode == 0, out.stderr
+    job_id = int(out.stdout.split()[-1])
+    env = dict(line.partition("=")[::2] for line in log_of(d, job_id).splitlines())
+    assert env.get("LC_CTYPE") == "0"
+
+
 # 6 ------------------------------------------------------------------------------------------------
 def test_a_uid_without_passwd_entry_still_gets_all_five_login_defaults(daemon_factory: Any) -> None:
     """cli.md: with --export NONE 'the daemon still sets HOME, USER, LOGNAME, SHELL and PATH'; a uid
