@@ -54,6 +54,8 @@
 #define MAX_PROFILE 32u
 #define MAX_TIME_LIMIT_S (365L * 86400L) /* run_submit.MAX_TIME_LIMIT_S */
 #define MAX_MEM_MIB ((1LL << 43) - 1)     /* wire.MAX_MEM_MIB */
+#define FIELD_MAX 999999999LL              /* a time's field: more is past 365 days whatever its unit */
+#define SIZE_NUMBER_MAX 999999999999999LL  /* a size's number, exact in a double (a larger one is Python's) */
 #define TIMEOUT_S 60      /* the Python client's socket timeout */
 #define PROBE_TIMEOUT_S 1 /* resolve_socket's probe of a default socket */
 #define EXIT_ERROR 1
@@ -134,21 +136,27 @@ static bool is_ascii(const char *s) {
     return true;
 }
 
-/* The digits of an INT option as options.Option.value reads them: ASCII digits only, in [low, high]. */
-static bool parse_int(const char *text, long low, long high, long *out) {
-    long value = 0;
-    if (*text == '\0')
-        return false;
-    for (const char *p = text; *p; p++) {
-        if (*p < '0' || *p > '9')
-            return false;
-        value = value * 10 + (*p - '0');
-        if (value > high)
+/* ASCII digits at *p into *out, stopping at the first other character; false if there are none or
+ * their value passes `most` (which also keeps every sum below from overflowing). Leading zeros are
+ * taken, as Python's int() takes them. */
+static bool digits(const char **p, long long most, long long *out) {
+    long long value = 0;
+    const char *start = *p;
+    for (; **p >= '0' && **p <= '9'; (*p)++) {
+        value = value * 10 + (**p - '0');
+        if (value > most)
             return false;
     }
-    if (value < low)
-        return false;
     *out = value;
+    return *p != start;
+}
+
+/* The digits of an INT option as options.Option.value reads them: ASCII digits only, in [low, high]. */
+static bool parse_int(const char *text, long low, long high, long *out) {
+    long long value;
+    if (!digits(&text, high, &value) || *text != '\0' || value < low)
+        return false;
+    *out = (long)value;
     return true;
 }
 
@@ -170,19 +178,6 @@ static bool is_mig_profile(const char *s) {
     return strcmp(p, "gb") == 0 || strcmp(p, "gb+me") == 0;
 }
 
-/* ASCII digits at *p (at most `most` of them, so no sum below can overflow) into *out; false if none. */
-static bool digits(const char **p, int most, long long *out) {
-    long long value = 0;
-    int n = 0;
-    for (; **p >= '0' && **p <= '9'; (*p)++, n++) {
-        if (n == most)
-            return false;
-        value = value * 10 + (**p - '0');
-    }
-    *out = value;
-    return n > 0;
-}
-
 /* parse.parse_duration_s's suffix form: `30s`, `5m`, `2h`, `1d`, combined in that order, each once,
  * either case. */
 static bool parse_suffixed(const char *p, long long *total) {
@@ -194,7 +189,7 @@ static bool parse_suffixed(const char *p, long long *total) {
     if (*p == '\0')
         return false;
     while (*p) {
-        if (!digits(&p, 9, &value) || *p == '\0')
+        if (!digits(&p, FIELD_MAX, &value) || *p == '\0')
             return false;
         const char *unit = memchr(units + next, *p | 0x20, sizeof units - 1 - (size_t)next);
         if (unit == NULL)
@@ -215,18 +210,18 @@ static bool parse_duration(const char *text, long long *seconds) {
         const char *p = text;
         long long fields[3] = {0, 0, 0}, days = -1;
         int n = 0;
-        if (!digits(&p, 9, &fields[0]))
+        if (!digits(&p, FIELD_MAX, &fields[0]))
             return false;
         if (*p == '-') {
             days = fields[0];
             p++;
-            if (!digits(&p, 9, &fields[0]))
+            if (!digits(&p, FIELD_MAX, &fields[0]))
                 return false;
         }
         n = 1;
         while (*p == ':' && n < 3) {
             p++;
-            if (!digits(&p, 9, &fields[n++]))
+            if (!digits(&p, FIELD_MAX, &fields[n++]))
                 return false;
         }
         if (*p != '\0')
@@ -250,7 +245,7 @@ static bool parse_duration(const char *text, long long *seconds) {
 static bool parse_size_mib(const char *text, long long *mib) {
     const char *p = text;
     long long number;
-    if (!digits(&p, 15, &number))
+    if (!digits(&p, SIZE_NUMBER_MAX, &number))
         return false;
     double scale = 1.0;
     if (*p != '\0') {
@@ -323,9 +318,20 @@ static void put_n(Buf *b, const char *s, size_t n) {
 
 static void put(Buf *b, const char *s) { put_n(b, s, strlen(s)); }
 
-static void put_long(Buf *b, long value) {
+static void put_long(Buf *b, long long value) {
     char text[24];
-    put_n(b, text, (size_t)snprintf(text, sizeof text, "%ld", value));
+    put_n(b, text, (size_t)snprintf(text, sizeof text, "%lld", value));
+}
+
+/* An optional number: `value` then `suffix` (".0" for a float: Python's repr of a whole one, 300.0),
+ * or null where it was not given (0). */
+static void put_number_or_null(Buf *b, long long value, const char *suffix) {
+    if (value == 0) {
+        put(b, "null");
+        return;
+    }
+    put_long(b, value);
+    put(b, suffix);
 }
 
 /* A JSON string as Python's json.dumps(ensure_ascii=False) writes an ASCII one: the same escapes. */
@@ -550,13 +556,9 @@ static bool build_request(const Submit *s, Buf *b) {
     put_json_or_null(b, s->name);
     if (s->name != NULL)
         bound += 4 * strlen(s->name) + SPEC_STRING_OVERHEAD;
-    if (s->time_limit_s != 0) { /* a float on the wire, as Python's repr writes a whole one: 300.0 */
-        put(b, ",\"time_limit_s\":");
-        put_long(b, (long)s->time_limit_s);
-        put(b, ".0,\"job_class\":");
-    } else {
-        put(b, ",\"time_limit_s\":null,\"job_class\":");
-    }
+    put(b, ",\"time_limit_s\":");
+    put_number_or_null(b, s->time_limit_s, ".0"); /* a float on the wire */
+    put(b, ",\"job_class\":");
     put_json(b, s->job_class);
     put(b, ",\"nice\":");
     put_long(b, s->nice);
@@ -564,15 +566,9 @@ static bool build_request(const Submit *s, Buf *b) {
     put(b, ",\"precision\":");
     put_json_or_null(b, s->precision);
     put(b, ",\"after\":[],\"cpus\":");
-    if (s->cpus != 0)
-        put_long(b, s->cpus);
-    else
-        put(b, "null");
+    put_number_or_null(b, s->cpus, "");
     put(b, ",\"mem_mib\":");
-    if (s->mem_mib != 0)
-        put_long(b, (long)s->mem_mib);
-    else
-        put(b, "null");
+    put_number_or_null(b, s->mem_mib, "");
     put(b, "},\"hold\":");
     put(b, s->hold ? "true" : "false");
     unsigned char id[16];
