@@ -219,6 +219,25 @@ def queue_count(client: Client) -> int:
     return len(client.call(QueueRequest(), QueueResult).jobs)
 
 
+def callgrind_instructions(argv: Sequence[str], out_dir: str, options: Sequence[str] = ()) -> tuple[int, str]:
+    """Run the program `argv` under callgrind (with `options`, PYTHONHASHSEED=0) and return the
+    instructions its own process ran, and its stdout. Valgrind runs the program in its own process, so
+    its file is the one named by that pid (a process forked from it, without an exec, writes its own
+    beside). A failed run raises CalledProcessError, its stderr attached."""
+    out = os.path.join(out_dir, "callgrind.out.%p")
+    proc = subprocess.Popen(["valgrind", "--tool=callgrind", *options, f"--callgrind-out-file={out}", *argv],
+                            env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, argv, stdout, stderr)
+    with open(os.path.join(out_dir, f"callgrind.out.{proc.pid}")) as f:
+        match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("no totals in callgrind's output")
+    return int(match.group(1)), stdout
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """Nearest-rank percentile; fine for the few hundred samples a benchmark takes."""
     ordered = sorted(values)

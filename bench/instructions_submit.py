@@ -23,14 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, cast
+from typing import cast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness as h
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon import main as daemon_main
@@ -136,26 +137,17 @@ def inner(submits: int, warmup: int, clients: int) -> int:
 def outer(args: argparse.Namespace, rest: list[str]) -> int:
     out = tempfile.mkdtemp(prefix="gsi-cg")
     try:
-        env: dict[str, Any] = {**os.environ, "PYTHONHASHSEED": "0"}
-        cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=sys_call_tracing",
-               f"--callgrind-out-file={out}/callgrind.out.%p", sys.executable, os.path.abspath(__file__), "--inner",
-               *rest]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stdout, stderr = proc.communicate()
-        sys.stdout.write(stdout)
-        if proc.returncode:
-            sys.stderr.write(stderr[-4000:])
-            return proc.returncode
-        # valgrind runs the program in its own process: the daemon's figures are those of that pid
-        # (a process forked from it, without an exec, would write its own file beside)
-        with open(f"{out}/callgrind.out.{proc.pid}") as f:
-            match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
-        assert match is not None, "no totals in callgrind's output"
-        total = int(match.group(1))
-        print(f"{total / args.submits:,.0f} instructions per submit ({total:,} for {args.submits} submits, "
-              f"{args.clients} clients, after {args.warmup} warm-up submits)")
+        total, stdout = h.callgrind_instructions([sys.executable, os.path.abspath(__file__), "--inner", *rest], out,
+                                                 ["--toggle-collect=sys_call_tracing"])
+    except subprocess.CalledProcessError as exc:
+        sys.stdout.write(exc.stdout)
+        sys.stderr.write(exc.stderr[-4000:])
+        return exc.returncode
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    sys.stdout.write(stdout)
+    print(f"{total / args.submits:,.0f} instructions per submit ({total:,} for {args.submits} submits, "
+          f"{args.clients} clients, after {args.warmup} warm-up submits)")
     return 0
 
 

@@ -23,9 +23,7 @@ import asyncio
 import gc
 import glob
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -87,16 +85,9 @@ def _instructions(folder: str, start: bool, keep: str | None) -> int:
     with tempfile.TemporaryDirectory(prefix="gri-") as tmp:
         state = os.path.join(tmp, "state")
         shutil.copytree(os.path.join(folder, "state"), state, symlinks=True)
-        out = os.path.join(tmp, "callgrind.out.%p")
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-                os.path.abspath(__file__), "load", state] + ([] if start else ["--no-start"])
-        proc = subprocess.run(argv, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
-                              check=True)
-        print(proc.stdout.strip(), flush=True)
-        pid = re.findall(r"==(\d+)==", proc.stderr)[0]  # valgrind's prefix: the measured process's own
-        main = os.path.join(tmp, f"callgrind.out.{pid}")
-        with open(main) as f:
-            total = int(re.findall(r"^(?:summary|totals): (\d+)", f.read(), re.M)[0])
+        total, stdout = h.callgrind_instructions(
+            [sys.executable, os.path.abspath(__file__), "load", state, *([] if start else ["--no-start"])], tmp)
+        print(stdout.strip(), flush=True)
         if keep is not None:
             os.makedirs(keep, exist_ok=True)
             for path in glob.glob(os.path.join(tmp, "callgrind.out.*")):
