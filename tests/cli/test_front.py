@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -57,10 +56,6 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Fronts:
                   front_build.build(str(out / "alone"), python=MISSING_PYTHON))
 
 
-def _frame(body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + body
-
-
 @dataclass
 class Recorder:
     """A daemon that records every frame and answers `hello` with `hello`, each submit with the next
@@ -94,7 +89,7 @@ class Recorder:
             header = conn.recv(4, socket.MSG_WAITALL)
             if len(header) < 4:
                 return
-            body = conn.recv(struct.unpack(">I", header)[0], socket.MSG_WAITALL)
+            body = conn.recv(wire.HEADER.unpack(header)[0], socket.MSG_WAITALL)
             op = json.loads(body)["op"]
             if op == "hello":
                 self.hellos += 1
@@ -104,7 +99,7 @@ class Recorder:
                 reply = self.answers[min(len(self.submits), len(self.answers)) - 1]
             if reply is None:
                 return
-            conn.sendall(_frame(reply if isinstance(reply, bytes) else json.dumps(reply).encode()))
+            conn.sendall(wire.frame(reply if isinstance(reply, bytes) else json.dumps(reply).encode()))
 
     def close(self) -> None:
         self.server.close()
