@@ -55,11 +55,23 @@ def describe_installed() -> str:
     return f"{target}: {'the C front' if is_front(target) else 'the Python console script'}"
 
 
+USAGE = """usage: python -m gpusched_cli.front_build [status]
+
+  (no argument)  build the C front for this Python and install it over its `gpusched`
+  status         say which `gpusched` this Python's environment has"""
+
+
 def main(argv: list[str]) -> int:
     target = installed_path()
     if argv[1:] == ["status"]:
         print(describe_installed())
         return 0
+    if argv[1:] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if argv[1:]:
+        print(f"{USAGE}\nerror: unknown argument {argv[1]!r}", file=sys.stderr)
+        return 2
     try:
         build(target)
     except (RuntimeError, OSError) as exc:

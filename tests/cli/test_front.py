@@ -530,3 +530,10 @@ def test_an_interpreter_path_the_build_cannot_quote_is_refused(tmp_path: Path) -
 
 def test_the_built_front_is_recognised(fronts: Fronts) -> None:
     assert front_build.is_front(fronts.front)
+
+
+def test_the_build_command_says_what_it_takes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert front_build.main(["front_build", "--help"]) == 0
+    assert "status" in capsys.readouterr().out
+    assert front_build.main(["front_build", "stats"]) == 2  # a typo builds nothing
+    assert "unknown argument 'stats'" in capsys.readouterr().err
