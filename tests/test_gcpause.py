@@ -64,9 +64,9 @@ def test_engine_loads_and_requeues_with_the_collector_paused(tmp_path: Path, col
         seen["load"] = gc.isenabled()
         return load(*args, **kwargs)  # type: ignore[arg-type]
 
-    def requeue_all() -> None:
+    def requeue_all(**kwargs: bool) -> None:
         seen["requeue"] = gc.isenabled()
-        requeue()
+        requeue(**kwargs)
 
     store.jobs_in = jobs_in  # type: ignore[method-assign,assignment]
     engine.requeue_all = requeue_all  # type: ignore[method-assign]

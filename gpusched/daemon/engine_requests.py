@@ -256,6 +256,8 @@ class RequestsMixin(EngineCore):
         if info is not None and job.id in info.waiting:  # the scheduler has not got it yet
             return (f"waiting for array {info.id}'s %{info.max_running}: {len(info.admitted)} of its tasks are "
                     "queued or running; it is handed over when one of them ends")
+        if job.id in self._handing:
+            return "pending: being handed to the scheduler (the daemon started, or took the array, moments ago)"
         said = explanation(self.scheduler, job.id)
         if said is not None:
             return said

@@ -80,12 +80,16 @@ async def queue(ctx: Context, req: QueueRequest) -> QueueResult:
     compact = not req.array_tasks and req.after_id is None
     live: dict[int, Job] = {}
     array_tasks: dict[int, list[Job]] = {}
-    for j in ctx.engine.jobs.values():
-        if (req.user is None or j.user == req.user) and j.id > after:
-            if compact and j.array_id is not None:
-                array_tasks.setdefault(j.array_id, []).append(j)
-            else:
-                live[j.id] = j
+    jobs = ctx.engine.jobs
+    if req.user is None and not after and not (compact and ctx.engine.arrays.by_id):
+        live = dict(jobs)  # everyone's, no array to fold: a copy in C (a restart's first `queue` at 100k jobs)
+    else:
+        for j in jobs.values():
+            if (req.user is None or j.user == req.user) and j.id > after:
+                if compact and j.array_id is not None:
+                    array_tasks.setdefault(j.array_id, []).append(j)
+                else:
+                    live[j.id] = j
     stored: list[SummaryRow] = []
     finished_total = 0  # finished rows that matched, listed or not (`total` counts them all)
     if req.all and req.after_id is not None:  # paging through everything in id order after the cursor
