@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpusched.arrayspec import ArraySpec
-from gpusched.daemon.schema import task_bytes
+from gpusched.daemon.schema import stored_transitions, task_bytes
 from gpusched.model import (
     TERMINAL_STATES,
     Job,
@@ -121,8 +121,9 @@ def insert_array(db: sqlite3.Connection, *, uid: int, gid: int, user: str, spec:
         " array_task, spec_bytes) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?)",
         [(job_id, uid, gid, user, state.value, now, reason, display, request, array_id, task, size)
          for job_id, task in zip(ids, array.tasks, strict=True)])
+    stored = stored_transitions(history, now)  # (none for a plain submit: a task's first is implied)
     db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
-                   [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids for seq, t in enumerate(history)])
+                   [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids for seq, t in stored])
     if request_id is not None:
         db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, array_id))
     # Copies of one validated task: building 10,000 Jobs field by field (validated or not) costs ~9 us

@@ -21,6 +21,7 @@ from pydantic_core import from_json
 
 from gpusched.construct import construct, fields_of
 from gpusched.daemon.envstore import digest, env_json, surely_inline
+from gpusched.daemon.schema import FIRST_REASON
 from gpusched.model import (
     Allocation,
     AnyRequest,
@@ -304,20 +305,26 @@ class Compactor:
             "history": history if history is not None else [], "array_id": array_id, "array_task": array_task,
         })
 
-    def add_histories(self, rows: Iterable[tuple[int, str, float, str]], states: dict[str, JobState],
-                      out: dict[int, list[Transition]]) -> None:
-        """Stored transitions (job id, state, at, reason), each job's in order, appended to `out` by
+    def add_histories(self, rows: Iterable[tuple[int, int, str, float, str]], states: dict[str, JobState],
+                      out: dict[int, list[Transition]], submitted: dict[int, float]) -> None:
+        """Stored transitions (job id, seq, state, at, reason), each job's in order, appended to `out` by
         job id: a Transition for each row, the reason shared as `text` shares it (one call a row less:
-        a restart reads 100k rows)."""
+        a restart reads 100k rows). A job whose rows start after seq 0 gets its implied first
+        transition first (`first_transition`, at its `submitted` time)."""
         share = self._strings.share
-        for job_id, state, at, reason in rows:
+        for job_id, seq, state, at, reason in rows:
             transition = construct(Transition, _TRANSITION_SET,
                                    {"state": states[state], "at": at, "reason": share(reason, reason)})
             history = out.get(job_id)
-            if history is None:  # (most jobs at a restart have one transition: no list made twice)
-                out[job_id] = [transition]
+            if history is None:  # (no list made twice)
+                out[job_id] = [transition] if seq == 0 else [self.first_transition(submitted[job_id]), transition]
             else:
                 history.append(transition)
+
+    @staticmethod
+    def first_transition(at: float) -> Transition:
+        """The first transition of a job submitted at `at`, which no row stores (schema.FIRST_REASON)."""
+        return construct(Transition, _TRANSITION_SET, {"state": JobState.PENDING, "at": at, "reason": FIRST_REASON})
 
 
 def _plain(data: dict[str, Any]) -> bool:

@@ -11,11 +11,14 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gpusched.model import JobSpec, describe_request, display_name, spec_bytes
+from gpusched.model import JobSpec, JobState, Transition, describe_request, display_name, spec_bytes
 
-SCHEMA_VERSION = 5  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
+SCHEMA_VERSION = 6  # 2: jobs.display and jobs.request, so listings never parse a spec; 3: job arrays, submit keys;
 # 4: jobs.spec_bytes, so a restart sums the per-user byte limits in SQL instead of measuring 100k specs;
 # 5: envs, each large environment stored once (envstore.py), and jobs.env_id
+# 6: a job's first transition, PENDING at its submitted_at for the reason FIRST_REASON, is implied
+# when its seq 0 row is absent (a submit writes one row fewer: `stored_transitions`)
+FIRST_REASON = "submitted"  # why a submitted job is PENDING: its first transition, which no row stores
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -107,7 +110,9 @@ def create_or_upgrade(db: sqlite3.Connection) -> None:
     Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
     Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA.
     Schema 3 -> 4: jobs.spec_bytes, measured once from each job's spec (a task's from its array's).
-    Schema 4 -> 5: the envs table and jobs.env_id; every existing row keeps its environment inline."""
+    Schema 4 -> 5: the envs table and jobs.env_id; every existing row keeps its environment inline.
+    Schema 5 -> 6: nothing to change (older seq 0 rows read as they always did); a daemon of schema 5
+    would read histories without their implied first transition, so it refuses this database."""
     db.executescript(SCHEMA)
     columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
     for column, kind in (("display", "TEXT"), ("request", "TEXT"), ("array_id", "INTEGER"),
@@ -136,6 +141,16 @@ def create_or_upgrade(db: sqlite3.Connection) -> None:
                        (task_bytes(JobSpec.model_validate_json(text), count), array_id))
     db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value = ?",
                (str(SCHEMA_VERSION), str(SCHEMA_VERSION)))
+
+
+def stored_transitions(history: list[Transition], submitted_at: float) -> list[tuple[int, Transition]]:
+    """The (seq, transition) rows a new job's `history` is stored as: all of it but a first
+    transition that is implied (PENDING at `submitted_at` for FIRST_REASON, as readers rebuild it).
+    A plain submit stores none: one INSERT, and two B-trees, fewer in its transaction."""
+    first = history[0] if history else None
+    implied = (first is not None and first.state is JobState.PENDING and first.at == submitted_at
+               and first.reason == FIRST_REASON)
+    return list(enumerate(history))[1:] if implied else list(enumerate(history))
 
 
 def task_bytes(spec: JobSpec, count: int) -> int:

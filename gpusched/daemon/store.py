@@ -165,7 +165,7 @@ class Store(StoreReader):
 
     # ---- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = "submitted",
+    def submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, reason: str = schema.FIRST_REASON,
                hold: bool = False, request_id: str | None = None, size: int | None = None) -> Job:
         """Insert a PENDING job (HELD with `hold`) with its history, and its submit key, in one change;
         `size`: spec_bytes(spec), if the caller has measured it (the engine has, for the per-user limits)."""
@@ -186,7 +186,7 @@ class Store(StoreReader):
             )
             job_id = cur.lastrowid
             assert job_id is not None
-            for seq, t in enumerate(history):
+            for seq, t in schema.stored_transitions(history, now):  # (none for a plain submit)
                 db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
                            (job_id, seq, t.state._value_, t.at, t.reason))
             if request_id is not None:
@@ -199,7 +199,7 @@ class Store(StoreReader):
     def submit_array(self, *, uid: int, gid: int, user: str, spec: JobSpec, now: float, array: ArraySpec,
                      hold: bool = False, request_id: str | None = None) -> tuple[int, list[Job]]:
         """Insert a job array and all its tasks in one change; returns (array id, tasks in task order)."""
-        history = _first_history(now, "submitted", hold)
+        history = _first_history(now, schema.FIRST_REASON, hold)
         with self._tx() as db:
             return insert_array(db, uid=uid, gid=gid, user=user, spec=spec, now=now, array=array, history=history,
                                 request_id=request_id)

@@ -146,7 +146,7 @@ class StoreReader(ArrayReads):
             yield from self._jobs(rows, with_spec)
 
     def _jobs(self, rows: list[Any], with_spec: bool) -> Iterator[Job]:
-        histories = self._histories([r[0] for r in rows])
+        histories = self._histories({r[0]: r[7] for r in rows})
         compact = self.compactor  # an array's tasks share one spec: the text is its array's, the same for all
         envs = self.envs
         arrays = self._array_specs({r[15] for r in rows if r[15] is not None}) if with_spec else {}
@@ -171,15 +171,23 @@ class StoreReader(ArrayReads):
         marks = ", ".join("?" for _ in ids)
         return dict(self._db.execute(f"SELECT id, spec FROM arrays WHERE id IN ({marks})", tuple(ids)).fetchall())
 
-    def _histories(self, ids: list[int]) -> dict[int, list[Transition]]:
+    def _histories(self, submitted: dict[int, float]) -> dict[int, list[Transition]]:
+        """Job id -> history, for the jobs in `submitted` (id -> submitted_at: a first transition no
+        row stores is implied, schema.FIRST_REASON)."""
         out: dict[int, list[Transition]] = {}
+        ids = list(submitted)
         for start in range(0, len(ids), 500):  # stay under SQLite's host-parameter limit
             chunk = ids[start : start + 500]
             marks = ", ".join("?" for _ in chunk)
             self.compactor.add_histories(self._db.execute(
-                f"SELECT job_id, state, at, reason FROM transitions WHERE job_id IN ({marks}) ORDER BY job_id, seq",
-                chunk,
-            ), _STATES, out)
+                f"SELECT job_id, seq, state, at, reason FROM transitions WHERE job_id IN ({marks})"
+                " ORDER BY job_id, seq", chunk,
+            ), _STATES, out, submitted)
+        if len(out) < len(submitted):  # (most queued jobs have no row at all)
+            first = self.compactor.first_transition
+            for job_id, at in submitted.items():
+                if job_id not in out:
+                    out[job_id] = [first(at)]
         return out
 
     def events(self, *, job_id: int | None = None, limit: int = 100) -> list[Event]:

@@ -202,12 +202,15 @@ def test_histories_keep_each_jobs_order_and_equal_validated_transitions() -> Non
     out: dict[int, list[Transition]] = {3: [Transition(state=JobState.PENDING, at=0.5, reason="submitted")]}
     first, second = "".join(["sub", "mitted"]), "".join(["sub", "mitted"])  # equal, two objects
     assert first is not second
-    rows = [(1, "PENDING", 1.0, first), (1, "STARTING", 2.0, "placed"), (2, "PENDING", 3.0, second),
-            (3, "HELD", 4.0, "held by user")]
-    Compactor().add_histories(iter(rows), states, out)
-    assert sorted(out) == [1, 2, 3]
+    rows = [(1, 0, "PENDING", 1.0, first), (1, 1, "STARTING", 2.0, "placed"), (2, 0, "PENDING", 3.0, second),
+            (3, 1, "HELD", 4.0, "held by user"), (4, 1, "HELD", 5.0, "held at submission")]
+    Compactor().add_histories(iter(rows), states, out, {1: 9.0, 2: 9.0, 3: 9.0, 4: 5.0})
+    assert sorted(out) == [1, 2, 3, 4]
     assert out[1] == [Transition(state=JobState.PENDING, at=1.0, reason="submitted"),
                       Transition(state=JobState.STARTING, at=2.0, reason="placed")]
     assert [t.state for t in out[3]] == [JobState.PENDING, JobState.HELD]
+    # rows from seq 1: the first transition, which no row stores, is the submit's (schema.FIRST_REASON)
+    assert out[4] == [Transition(state=JobState.PENDING, at=5.0, reason="submitted"),
+                      Transition(state=JobState.HELD, at=5.0, reason="held at submission")]
     assert out[1][0].reason is out[2][0].reason
     assert out[2][0].model_dump() == Transition.model_validate(out[2][0].model_dump()).model_dump()

@@ -126,7 +126,7 @@ def test_a_schema_4_database_keeps_its_inline_environments(tmp_path: Path) -> No
     store.set_meta("schema_version", "4")
     store.close()
     store = Store(path)
-    assert store.get_meta("schema_version") == str(SCHEMA_VERSION) == "5"
+    assert store.get_meta("schema_version") == str(SCHEMA_VERSION) == "6"
     [old] = store.jobs_in([JobState.PENDING])
     assert old.spec == _spec("/old", BIG)
     new = store.submit(uid=1, gid=1, user="u", spec=_spec("/new", BIG), now=2.0)

@@ -254,3 +254,33 @@ def test_meta_values_ride_on_the_next_commit_and_only_when_they_changed(tmp_path
     assert store.meta_waiting
     other.close()
     store.close()
+
+
+def test_a_jobs_first_transition_is_implied_and_histories_read_back_whole(tmp_path: Path) -> None:
+    """Schema 6: a plain submit stores no transitions row (its PENDING at submitted_at, 'submitted'
+    is implied); a hold stores its HELD as seq 1; an array's tasks store none; every history reads
+    back exactly as the submit returned it, and so do seq 0 rows a schema 5 daemon wrote."""
+    path = str(tmp_path / "state.db")
+    store = Store(path)
+    plain = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/a"), now=10.0)
+    held = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/b"), now=11.0, hold=True)
+    requeued = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/c"), now=12.0, reason="requeued by test")
+    _, tasks = store.submit_array(uid=1, gid=1, user="u", spec=_spec("/bin/d"), now=13.0,
+                                  array=parse_array_spec("1-2"))
+    started = store.transition(plain, JobState.STARTING, now=14.0, reason="placed")
+    rows = store._db.execute("SELECT job_id, seq, state, reason FROM transitions ORDER BY job_id, seq").fetchall()
+    assert rows == [(plain.id, 1, "STARTING", "placed"), (held.id, 1, "HELD", "held at submission"),
+                    (requeued.id, 0, "PENDING", "requeued by test")]
+    # as schema 5 wrote it: a seq 0 row for every job
+    old = store.submit(uid=1, gid=1, user="u", spec=_spec("/bin/e"), now=15.0)
+    store._db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, 0, 'PENDING', 15.0, "
+                      "'submitted')", (old.id,))
+    store.close()
+    store = Store(path)
+    for job in (started, held, requeued, *tasks, old):
+        loaded = store.get(job.id)
+        assert loaded is not None and loaded.history == job.history, job.id
+    assert [t.reason for t in started.history] == ["submitted", "placed"]
+    loaded_all = {j.id: j.history for j in store.jobs_in(set(JobState))}
+    assert loaded_all == {j.id: j.history for j in (started, held, requeued, *tasks, old)}
+    store.close()
