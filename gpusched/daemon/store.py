@@ -61,7 +61,7 @@ class Store(StoreReader):
             raise StoreError(
                 f"{path}: database schema {version} is newer than this gpusched understands ({schema.SCHEMA_VERSION})"
             )
-        schema.create_or_upgrade(self._db)
+        schema.create_or_upgrade(self._db, version)
 
     def _tx(self) -> _Change:
         """One change, all or nothing: its own transaction, or inside `batch()` a savepoint (so a change
