@@ -98,6 +98,35 @@ def test_the_queue_arrives_after_start_and_no_pass_runs_before_all_of_it() -> No
         kill_job_processes(config.state_dir)
 
 
+@pytest.mark.usefixtures("small_chunks")
+def test_a_requeue_during_the_handover_hands_everything_over_once() -> None:
+    """A reload rebuilds the scheduler and calls requeue_all while a start's queue may still be
+    arriving: it hands every pending job over itself, and the chunks left then hand nothing twice."""
+    config, ids = _state_with_queue(QUEUED)
+
+    async def go() -> list[int] | None:
+        engine = _engine(config)
+        await engine.start()
+        assert engine._loop_task is not None
+        engine._loop_task.cancel()
+        try:
+            await asyncio.sleep(0)  # the first chunk is in
+            engine.requeue_all()
+            assert not engine._handing
+            while engine._queue_arriving:
+                await asyncio.sleep(0)
+            return fairness_order(engine.scheduler)
+        finally:
+            await engine.stop()
+            engine.store.close()
+
+    try:
+        order = asyncio.run(go())
+    finally:
+        kill_job_processes(config.state_dir)
+    assert order is not None and sorted(order) == ids
+
+
 def test_a_short_queue_is_handed_over_inside_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """At or below HAND_OVER_LATER jobs the scheduler has them all when start() returns."""
     monkeypatch.setattr(engine_module, "HAND_OVER_LATER", QUEUED)
