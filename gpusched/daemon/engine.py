@@ -57,11 +57,10 @@ from gpusched.model import (
 from gpusched.policy import Pins, Policy, submit_all
 
 _HISTORY_EVERY_S = 60.0  # run-time history is saved at most this often (and at shutdown)
-# A start hands a queue of more than HAND_OVER_LATER jobs to the scheduler after the socket opens,
-# HAND_OVER_CHUNK per turn of the loop (a few ms each): at 100k queued jobs the handover takes ~1 s,
-# which the first answers need not wait for.
+# A start hands a queue of more than HAND_OVER_LATER jobs to the scheduler after the socket opens, a
+# chunk per turn of the loop (`_hand_over`): at 100k queued jobs that takes ~1 s, which the first
+# answers need not wait for.
 HAND_OVER_LATER = 5000
-HAND_OVER_CHUNK = 500
 log = logging.getLogger("gpusched.engine")
 
 
@@ -125,7 +124,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         self.commits = GroupCommit(store)  # submits share COMMITs (daemon/groupcommit.py)
         self._requests: dict[tuple[int, str], asyncio.Future[tuple[int | None, list[Job]]]] = {}  # in flight
         self._handing: set[int] = set()  # pending jobs (array tasks, a start's queue) not yet handed to the scheduler
-        self._queue_arriving = False  # a start's queue is being handed over: no pass would see all of it
+        self._arriving: asyncio.Task[None] | None = None  # a start's queue being handed over: no pass till done
         self._batch_log = None
         self.reads = ReadGate()  # big reads of the store, one per user at a time (readgate.py)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -242,7 +241,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         """Hand every pending job to a fresh scheduler, in submission order (start-up, reload), with
         the checkpointed ones pinned to the GPUs they may resume on. `later` (a start): a queue of more
         than HAND_OVER_LATER jobs is handed over from the loop once the caller returns, while the
-        socket already answers (`_hand_over_queue`)."""
+        socket already answers (`_hand_over`); no pass runs until it is all in (`_pass`)."""
         self._handing.clear()  # jobs not handed over yet go now, with the others
         if self.config.mode == "slurm-node":
             self._fail_local_queue()  # Slurm owns this node's queue: one source of truth per GPU
@@ -262,8 +261,7 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
                 continue
         if later and len(queued) > HAND_OVER_LATER and self._queue is not None:
             self._handing.update(job.id for job in queued)
-            self._queue_arriving = True
-            self._spawn(self._hand_over_queue(queued))
+            self._arriving = self._spawn(self._hand_over([job.id for job in queued]))
         else:
             for job in queued:
                 self._enqueue(job, ready)
@@ -272,30 +270,6 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
         for job_id in [i for i, j in ((i, self.jobs.get(i)) for i in self.checkpoints.saved)
                        if j is None or j.state is not JobState.SUSPENDED]:
             self.checkpoints.forget(job_id)  # ended, or restored, while the daemon was down
-
-    async def _hand_over_queue(self, jobs: list[Job]) -> None:
-        """A start's queue reaches the scheduler HAND_OVER_CHUNK jobs per turn of the loop, so requests
-        are answered meanwhile: every job is in memory already, listed and shown as it is; only the
-        decisions wait. No pass runs until the last chunk is in (one that saw part of the queue could
-        start a later job before an earlier one of a user more owed), then one is asked for. A job
-        that left PENDING meanwhile (cancelled, held) was taken out of `_handing` by its change and is
-        skipped; a reload meanwhile hands the rest over itself (requeue_all clears `_handing`)."""
-        try:
-            for start in range(0, len(jobs), HAND_OVER_CHUNK):
-                await asyncio.sleep(0)
-                handing, pending = self._handing, JobState.PENDING
-                ready: list[Job] = []
-                for listed in jobs[start : start + HAND_OVER_CHUNK]:
-                    if listed.id in handing:
-                        handing.discard(listed.id)
-                        job = self.jobs.get(listed.id)
-                        if job is not None and job.state is pending:
-                            self._enqueue(job, ready)  # (its dependencies and its array's %MAX, as at once)
-                if ready and (queue := self._queue) is not None:
-                    submit_all(queue, ready)
-        finally:
-            self._queue_arriving = False
-            self.wake()
 
     def _fail_local_queue(self) -> None:
         """In slurm-node mode: jobs queued before the switch (pending or held) would run on GPUs
@@ -306,7 +280,10 @@ class Engine(RequestsMixin, DevicesMixin, PreemptionMixin, RecoveryMixin, BatchM
                           "queue (submit the job with sbatch)", ended_at=self.clock())
 
     async def _pass(self) -> None:
-        if self._queue_arriving:  # (a start's queue is still being handed over: `_hand_over_queue` wakes us)
+        # While a start's queue is still being handed over, every job is listed and shown but nothing
+        # is decided: a pass that saw part of the queue could start a later job ahead of an earlier
+        # one of a user more owed. The handover's last chunk wakes the loop.
+        if self._arriving is not None and not self._arriving.done():
             return
         self.passes += 1
         began = time.perf_counter()

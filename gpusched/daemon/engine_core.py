@@ -404,7 +404,7 @@ class EngineCore:
         async with self._changed:
             self._changed.notify_all()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], *, gpu_state: bool = False) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, gpu_state: bool = False) -> asyncio.Task[None]:
         """Run `coro` beside the loop. `gpu_state`: it checkpoints or restores a job's GPU state, which
         must not be cut off halfway (the job would stay locked or checkpointed): stop waits for it."""
         task = asyncio.ensure_future(coro)
@@ -413,3 +413,4 @@ class EngineCore:
         if gpu_state:
             self._gpu_state_moves.add(task)
             task.add_done_callback(self._gpu_state_moves.discard)
+        return task

@@ -27,10 +27,13 @@ from gpusched.model import (
     JobState,
     spec_bytes,
 )
-from gpusched.policy import NO_EXPLANATION, SharesFairly, explanation
+from gpusched.policy import NO_EXPLANATION, SharesFairly, explanation, submit_all
 from gpusched.protocol import ErrorCode, ProtocolError, SubmitResult
 
 log = logging.getLogger("gpusched.engine")
+# Pending jobs handed to the scheduler after the fact (an array's tasks, a start's long queue) go
+# over this many per turn of the loop (a few ms each), so other clients are answered meanwhile.
+HAND_OVER_CHUNK = 500
 
 
 class RequestsMixin(EngineCore):
@@ -116,15 +119,22 @@ class RequestsMixin(EngineCore):
         self.wake()
 
     async def _hand_over(self, ids: list[int]) -> None:
-        """An array's tasks reach the scheduler 500 at a time, after the answer went out: 10,000
-        scheduler inserts in one go would hold the loop, and every other client, for ~0.2 s."""
-        for start in range(0, len(ids), 500):
+        """Jobs in `_handing` reach the scheduler HAND_OVER_CHUNK at a time, after the caller returned:
+        an array's tasks once its answer went out (10,000 scheduler inserts in one go would hold the
+        loop, and every other client, for ~0.2 s), a start's long queue once the socket answers
+        (Engine.requeue_all). A job that left PENDING meanwhile (cancelled, held) was taken out of
+        `_handing` by its change and is skipped, and so is the rest once a requeue_all (a reload)
+        has handed everything over itself."""
+        for start in range(0, len(ids), HAND_OVER_CHUNK):
             await asyncio.sleep(0)
-            for job_id in ids[start : start + 500]:
+            ready: list[Job] = []
+            for job_id in ids[start : start + HAND_OVER_CHUNK]:
                 job = self.jobs.get(job_id)
                 if job_id in self._handing and job is not None and job.state is JobState.PENDING:
                     self._handing.discard(job_id)
-                    self._enqueue(job)
+                    self._enqueue(job, ready)  # (its dependencies and its array's %MAX, as one at a time)
+            if ready and (queue := self._queue) is not None:
+                submit_all(queue, ready)
         self.wake()
 
     async def _known_request(self, uid: int, request_id: str) -> SubmitResult | None:

@@ -1,19 +1,21 @@
 """A start's long queue reaches the scheduler after the engine has started, a chunk per turn of the
-loop (engine.HAND_OVER_LATER, HAND_OVER_CHUNK), so the socket answers meanwhile: every job is in
-memory and listed from the start, no pass decides on part of the queue, and a job that leaves
-PENDING before its chunk is not handed over."""
+loop (engine.HAND_OVER_LATER, engine_requests.HAND_OVER_CHUNK), so the socket answers meanwhile:
+every job is in memory and listed from the start, no pass decides on part of the queue, and a job
+that leaves PENDING before its chunk is not handed over."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon import engine as engine_module
+from gpusched.daemon import engine_requests
 from gpusched.daemon import main as daemon_main
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
@@ -24,6 +26,7 @@ from gpusched.policy import fairness_order
 from tests.conftest import inprocess_config, kill_job_processes, short_tmpdir
 
 QUEUED = 12
+T = TypeVar("T")
 
 
 def _state_with_queue(jobs: int) -> tuple[DaemonConfig, list[int]]:
@@ -43,16 +46,32 @@ def _state_with_queue(jobs: int) -> tuple[DaemonConfig, list[int]]:
     return config, ids
 
 
-def _engine(config: DaemonConfig) -> Engine:
-    backend, _ = open_gpu_backend(config)
-    return Engine(config, Store(config.db_path), backend, Executor(config.state_dir, launcher=config.launcher),
-                  build_policy(config))
+def _on_started_engine(config: DaemonConfig, check: Callable[[Engine], Awaitable[T]]) -> T:
+    """`check(engine)` right after `Engine.start` over `config`'s state, its loop task cancelled (the
+    check drives passes by hand); the engine is stopped and its job processes killed after."""
+    async def go() -> T:
+        backend, _ = open_gpu_backend(config)
+        engine = Engine(config, Store(config.db_path), backend,
+                        Executor(config.state_dir, launcher=config.launcher), build_policy(config))
+        await engine.start()
+        assert engine._loop_task is not None
+        engine._loop_task.cancel()
+        try:
+            return await check(engine)
+        finally:
+            await engine.stop()
+            engine.store.close()
+
+    try:
+        return asyncio.run(go())
+    finally:
+        kill_job_processes(config.state_dir)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_module, "HAND_OVER_LATER", 4)
-    monkeypatch.setattr(engine_module, "HAND_OVER_CHUNK", 3)
+    monkeypatch.setattr(engine_requests, "HAND_OVER_CHUNK", 3)
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -61,41 +80,32 @@ def test_the_queue_arrives_after_start_and_no_pass_runs_before_all_of_it() -> No
     # one in the first chunk, two in later ones: one held, one held and released at once
     cancelled, held, released = ids[1], ids[7], ids[10]
 
-    async def go() -> None:
-        engine = _engine(config)
-        await engine.start()
-        assert engine._loop_task is not None
-        engine._loop_task.cancel()  # passes are driven by hand below
-        try:
-            # start() returned with nothing handed over yet, every job listed all the same
-            assert sorted(j.id for j in engine.jobs.values() if j.state is JobState.PENDING) == ids
-            assert fairness_order(engine.scheduler) == []
-            pending = engine.jobs[ids[0]]
-            assert "being handed to the scheduler" in (engine.waiting_reason(pending) or "")
-            passes = engine.passes
-            await engine._pass()  # asked for before the queue is all in: decides nothing
-            assert engine.passes == passes
-            assert await engine.cancel(engine.jobs[cancelled], "cancelled by test")
-            assert engine.hold(engine.jobs[held], "held by test") is None
-            assert engine.hold(engine.jobs[released], "held by test") is None
-            assert engine.release(engine.jobs[released], "released by test") is None  # handed over now, once
-            engine._wake.clear()
-            while engine._queue_arriving:
-                await asyncio.sleep(0)
-            assert engine._wake.is_set()  # the last chunk asks for the pass that waited
-            order = fairness_order(engine.scheduler)
-            assert order is not None and sorted(order) == [i for i in ids if i not in (cancelled, held)]
-            assert order.count(released) == 1
-            assert "being handed" not in (engine.waiting_reason(engine.jobs[ids[0]]) or "")
-            assert not engine._handing
-        finally:
-            await engine.stop()
-            engine.store.close()
+    async def check(engine: Engine) -> None:
+        # start() returned with nothing handed over yet, every job listed all the same
+        assert sorted(j.id for j in engine.jobs.values() if j.state is JobState.PENDING) == ids
+        assert fairness_order(engine.scheduler) == []
+        pending = engine.jobs[ids[0]]
+        assert "being handed to the scheduler" in (engine.waiting_reason(pending) or "")
+        passes = engine.passes
+        await engine._pass()  # asked for before the queue is all in: decides nothing
+        assert engine.passes == passes
+        assert await engine.cancel(engine.jobs[cancelled], "cancelled by test")
+        assert engine.hold(engine.jobs[held], "held by test") is None
+        assert engine.hold(engine.jobs[released], "held by test") is None
+        assert engine.release(engine.jobs[released], "released by test") is None  # handed over now, once
+        engine._wake.clear()
+        assert engine._arriving is not None
+        await engine._arriving
+        assert engine._wake.is_set()  # the last chunk asks for the pass that waited
+        order = fairness_order(engine.scheduler)
+        assert order is not None and sorted(order) == [i for i in ids if i not in (cancelled, held)]
+        assert order.count(released) == 1
+        assert "being handed" not in (engine.waiting_reason(engine.jobs[ids[0]]) or "")
+        assert not engine._handing
+        await engine._pass()  # and now one decides
+        assert engine.passes == passes + 1
 
-    try:
-        asyncio.run(go())
-    finally:
-        kill_job_processes(config.state_dir)
+    _on_started_engine(config, check)
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -104,26 +114,14 @@ def test_a_requeue_during_the_handover_hands_everything_over_once() -> None:
     arriving: it hands every pending job over itself, and the chunks left then hand nothing twice."""
     config, ids = _state_with_queue(QUEUED)
 
-    async def go() -> list[int] | None:
-        engine = _engine(config)
-        await engine.start()
-        assert engine._loop_task is not None
-        engine._loop_task.cancel()
-        try:
-            await asyncio.sleep(0)  # the first chunk is in
-            engine.requeue_all()
-            assert not engine._handing
-            while engine._queue_arriving:
-                await asyncio.sleep(0)
-            return fairness_order(engine.scheduler)
-        finally:
-            await engine.stop()
-            engine.store.close()
+    async def check(engine: Engine) -> list[int] | None:
+        await asyncio.sleep(0)  # the first chunk is in
+        engine.requeue_all()
+        assert not engine._handing and engine._arriving is not None
+        await engine._arriving
+        return fairness_order(engine.scheduler)
 
-    try:
-        order = asyncio.run(go())
-    finally:
-        kill_job_processes(config.state_dir)
+    order = _on_started_engine(config, check)
     assert order is not None and sorted(order) == ids
 
 
@@ -132,20 +130,11 @@ def test_a_short_queue_is_handed_over_inside_start(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(engine_module, "HAND_OVER_LATER", QUEUED)
     config, ids = _state_with_queue(QUEUED)
 
-    async def go() -> list[int] | None:
-        engine = _engine(config)
-        await engine.start()
-        try:
-            assert not engine._queue_arriving and not engine._handing
-            return fairness_order(engine.scheduler)
-        finally:
-            await engine.stop()
-            engine.store.close()
+    async def check(engine: Engine) -> list[int] | None:
+        assert engine._arriving is None and not engine._handing
+        return fairness_order(engine.scheduler)
 
-    try:
-        order = asyncio.run(go())
-    finally:
-        kill_job_processes(config.state_dir)
+    order = _on_started_engine(config, check)
     assert order is not None and sorted(order) == ids
 
 
