@@ -106,8 +106,8 @@ def version(db: sqlite3.Connection) -> int | None:
 def create_or_upgrade(db: sqlite3.Connection, found: int | None) -> None:
     """Create what is missing, upgrade what is older, and record SCHEMA_VERSION (the caller has
     refused a newer database already). `found`: the version the database had (`version`), None for
-    a new one. The fill-ins below read every row, so a database already at SCHEMA_VERSION skips
-    them (each was a full scan at every start: ~20 ms at 100k jobs).
+    a new one. `_fill_in` reads every row, so a database already at SCHEMA_VERSION skips it (each of
+    its queries was a full scan at every start: ~20 ms at 100k jobs).
 
     Schema 1 -> 2: add the listing columns and fill them in from the specs (once).
     Schema 2 -> 3: the array columns (NULL: not a task) and their index; the new tables are in SCHEMA.
@@ -124,27 +124,31 @@ def create_or_upgrade(db: sqlite3.Connection, found: int | None) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_id, array_task) WHERE array_id IS NOT NULL")
     # pruning asks whether any job still names an environment
     db.execute("CREATE INDEX IF NOT EXISTS jobs_env ON jobs(env_id) WHERE env_id IS NOT NULL")
-    older = found is None or found < SCHEMA_VERSION  # (a new database's tables are empty: nothing to scan)
-    while older and (rows := db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall()):
+    if found is None or found < SCHEMA_VERSION:  # (a new database's tables are empty: nothing to scan)
+        _fill_in(db)
+    db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value = ?",
+               (str(SCHEMA_VERSION), str(SCHEMA_VERSION)))
+
+
+def _fill_in(db: sqlite3.Connection) -> None:
+    """The columns older schemas lacked, filled in from each row's spec (schemas 2 and 4)."""
+    while rows := db.execute("SELECT id, spec FROM jobs WHERE display IS NULL LIMIT 500").fetchall():
         with _transaction(db):  # 500 rows per transaction: a big upgrade is not one huge one
             for job_id, text in rows:
                 spec = JobSpec.model_validate_json(text)
                 db.execute("UPDATE jobs SET display = ?, request = ? WHERE id = ?",
                            (display_name(spec), describe_request(spec.request), job_id))
-    while older and (rows := db.execute("SELECT id, spec FROM jobs WHERE spec_bytes IS NULL AND array_id IS NULL "
-                                        "LIMIT 500").fetchall()):
+    while rows := db.execute("SELECT id, spec FROM jobs WHERE spec_bytes IS NULL AND array_id IS NULL "
+                             "LIMIT 500").fetchall():
         with _transaction(db):
             db.executemany("UPDATE jobs SET spec_bytes = ? WHERE id = ?",
                            [(spec_bytes(JobSpec.model_validate_json(text)), job_id) for job_id, text in rows])
     arrays = db.execute("SELECT id, spec, task_count FROM arrays WHERE id IN "
-                        "(SELECT DISTINCT array_id FROM jobs WHERE spec_bytes IS NULL AND array_id IS NOT NULL)"
-                        ) if older else None
-    for array_id, text, count in arrays.fetchall() if arrays is not None else []:
+                        "(SELECT DISTINCT array_id FROM jobs WHERE spec_bytes IS NULL AND array_id IS NOT NULL)")
+    for array_id, text, count in arrays.fetchall():
         with _transaction(db):
             db.execute("UPDATE jobs SET spec_bytes = ? WHERE array_id = ? AND spec_bytes IS NULL",
                        (task_bytes(JobSpec.model_validate_json(text), count), array_id))
-    db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value = ?",
-               (str(SCHEMA_VERSION), str(SCHEMA_VERSION)))
 
 
 def stored_transitions(history: list[Transition], submitted_at: float) -> list[tuple[int, Transition]]:
@@ -154,7 +158,8 @@ def stored_transitions(history: list[Transition], submitted_at: float) -> list[t
     first = history[0] if history else None
     implied = (first is not None and first.state is JobState.PENDING and first.at == submitted_at
                and first.reason == FIRST_REASON)
-    return list(enumerate(history))[1:] if implied else list(enumerate(history))
+    rows = list(enumerate(history))
+    return rows[1:] if implied else rows
 
 
 def task_bytes(spec: JobSpec, count: int) -> int:
