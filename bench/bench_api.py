@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
 import sqlite3
 import sys
 import time
@@ -85,12 +84,6 @@ def sqlite_floor(directory: str, n: int) -> float:
                 os.remove(path + suffix)
 
 
-def own_cpu_seconds() -> float:
-    """This process's utime + stime: the client threads (and the metrics reads beside them)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 @dataclass
 class Throughput:
     rates: dict[int, float]  # submits/s per client count
@@ -111,10 +104,10 @@ def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
     for clients in sizes.clients:
         commits = d.metrics_counter("gpusched_group_commits_total")
         writes = d.metrics_counter("gpusched_group_commit_writes_total")
-        before, own_before = h.cpu_seconds(d.pid), own_cpu_seconds()
+        before, own_before = h.cpu_seconds(d.pid), h.cpu_seconds(os.getpid())
         elapsed, ids = h.submit_concurrently(d.socket, job, sizes.submits, clients)
         out.cpu_us[clients] = 1e6 * (h.cpu_seconds(d.pid) - before) / sizes.submits
-        out.client_cpu_us[clients] = 1e6 * (own_cpu_seconds() - own_before) / sizes.submits
+        out.client_cpu_us[clients] = 1e6 * (h.cpu_seconds(os.getpid()) - own_before) / sizes.submits
         out.rates[clients] = sizes.submits / elapsed
         out.per_fsync[clients] = ((d.metrics_counter("gpusched_group_commit_writes_total") - writes)
                                   / (d.metrics_counter("gpusched_group_commits_total") - commits))
