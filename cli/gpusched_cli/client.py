@@ -49,6 +49,11 @@ class DaemonUnavailable(Exception):
         self.hint = hint
 
 
+class ConnectionClosed(DaemonUnavailable):
+    """The daemon closed a connection it had accepted, before its answer: killed, restarting or
+    shutting down after it read the request. Unlike a missing socket, worth trying again (submit)."""
+
+
 def resolve_socket(explicit: str | None, env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
     """`--socket`, else $GPUSCHED_SOCKET, else the first default socket that accepts connections."""
     env = os.environ if env is None else env
@@ -228,7 +233,7 @@ class Client:
         while len(chunks) < n:
             chunk = self._sock.recv(n - len(chunks))
             if not chunk:
-                raise DaemonUnavailable(
+                raise ConnectionClosed(
                     f"gpuschedd closed the connection on {self.path}",
                     "the daemon may be shutting down; see `journalctl -u gpusched` or its log",
                 )

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from gpusched.wire import ProtocolError
 from gpusched_cli import resubmit
-from gpusched_cli.client import Client, DaemonUnavailable, resolve_socket
+from gpusched_cli.client import Client, ConnectionClosed, DaemonUnavailable, resolve_socket
 from gpusched_cli.exits import CODE_EXITS, EXIT_ERROR, EXIT_OUTPUT_CLOSED, EXIT_UNAVAILABLE
 from gpusched_cli.textfmt import printable
 
@@ -129,20 +129,27 @@ def target_of(where: Target | _HasRoot) -> Target:
 
 
 @contextmanager
-def connected(where: Target | _HasRoot, timeout: float = 60.0, retry_broken_s: float = 0.0) -> Iterator[Client]:
+def connected(where: Target | _HasRoot, timeout: float = 60.0, retry_broken_s: float = 0.0,
+              resumed: bool = False) -> Iterator[Client]:
     """A connected client on the socket chosen by --socket / $GPUSCHED_SOCKET / discovery (`where`:
     the run's Target, or a click context).
 
     `retry_broken_s`: a connection that a daemon accepted and then broke (killed or restarted during
-    the hello) is tried again for this long (`submit`); a daemon that is simply not there is not."""
+    the hello) is tried again for this long (`submit`); a daemon that is simply not there is not,
+    unless `resumed`: the C front reached a daemon on this socket and handed the submit over (its
+    connection broke, or the answer was not the plain one), so a missing socket is that daemon
+    restarting, not one that was never there."""
     target = target_of(where)
     path = resolve_socket(target.option)
     target.path = path
     client = Client(path, timeout=timeout)
+    retried: tuple[type[Exception], ...] = (
+        (DaemonUnavailable, ConnectionError, TimeoutError) if resumed
+        else (ConnectionClosed, ConnectionError, TimeoutError))
     try:
         try:
             client.connect()  # not `with Client(...)`: a refused hello would leave the socket open
-        except (ConnectionError, TimeoutError):
+        except retried:
             if retry_broken_s <= 0:
                 raise
             resubmit.reconnect(client, time.monotonic() + retry_broken_s)

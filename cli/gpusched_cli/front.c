@@ -11,8 +11,10 @@
  *     a socket that is missing, foreign or refuses the hello): it execs the Python program with the
  *     same arguments before sending anything (run_python);
  *   - a submit it sent whose answer is not the plain "queued" one (an error, a lost connection, a
- *     reply it does not read): it execs the Python program's `resume` with the very request it sent,
- *     whose request_id lets the daemon recognise a job it already queued (hand_over).
+ *     reply it does not read), or one it was about to send when the daemon broke the connection
+ *     during the hello (killed or restarting): it execs the Python program's `resume` with the very
+ *     request, whose request_id lets the daemon recognise a job it already queued, and which waits
+ *     out a restarting daemon as `gpusched submit` does after a lost answer (hand_over).
  *
  * What it sends is byte for byte the frame `gpusched submit` sends in Python for the same command
  * line (tests/cli/test_front.py holds the two to each other); what it prints on success is what that
@@ -61,6 +63,7 @@
 #define EXIT_ERROR 1
 #define EXIT_ABORTED 1           /* click's, after Ctrl-C */
 #define EXIT_OUTPUT_CLOSED 141   /* 128 + SIGPIPE, as the Python program exits */
+#define HELLO_BROKE (-2)         /* connect_daemon: the daemon accepted the connection, then broke it */
 
 static int g_argc;
 static char **g_argv;
@@ -107,7 +110,7 @@ static void hand_over(const char *path, const char *frame, size_t len, bool as_j
         }
     }
     if (fd < 0 || lseek(fd, 0, SEEK_SET) != 0) {
-        dprintf(2, "error: the submit was sent but its answer was lost, and it cannot be handed on: %s\n"
+        dprintf(2, "error: the connection to gpuschedd broke during the submit, and it cannot be handed on: %s\n"
                    "hint: `gpusched queue` shows whether the job was queued\n", strerror(errno));
         _exit(EXIT_ERROR);
     }
@@ -812,8 +815,16 @@ static int connect_daemon(const char *path) {
     int fd = open_socket(path, TIMEOUT_S);
     if (fd < 0)
         return -1;
+    if (!peer_trusted(fd)) {
+        close(fd);
+        return -1;
+    }
     static const char hello[] = "{\"op\":\"hello\",\"version\":\"" PROTOCOL_VERSION "\",\"client\":\"gpusched-cli\"}";
-    char *reply = peer_trusted(fd) ? call(fd, hello, sizeof hello - 1) : NULL;
+    char *reply = call(fd, hello, sizeof hello - 1);
+    if (reply == NULL) { /* accepted, then broken: a daemon killed or restarting during the hello */
+        close(fd);
+        return HELLO_BROKE;
+    }
     char version[16];
     /* a 1.0 daemon takes no request_id (resubmit.submit sends it once, without): Python's case */
     bool ok = plain_string(member(ok_result(reply), "version"), version, sizeof version) &&
@@ -857,6 +868,8 @@ int main(int argc, char **argv) {
         run_python();
     const char *path = resolve_socket(s.socket, user_socket, sizeof user_socket);
     int fd = path == NULL ? -1 : connect_daemon(path);
+    if (fd == HELLO_BROKE) /* nothing was sent; Python sends it, waiting out a restart as after a lost answer */
+        hand_over(path, frame.data, frame.len, s.as_json);
     if (fd < 0)
         run_python();
     signal(SIGPIPE, SIG_IGN); /* a closed stdout is an EPIPE to report, as in Python */

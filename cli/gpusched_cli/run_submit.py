@@ -252,8 +252,9 @@ def _task_jobs(client: Client, after: list[After]) -> list[dict[str, Any]]:
 
 def send(target: Target, job: Prepared, request_id: str | None = None) -> None:
     """Submit `job`, print what was queued, and with --wait block until it ends and exit with its status.
-    `request_id`: one this request was already sent with (by the C front, fastpath.resume)."""
-    with connected(target, retry_broken_s=resubmit.RETRY_FOR_S) as client:
+    `request_id`: one this request was already sent with, or was about to be when the connection
+    broke (by the C front, fastpath.resume)."""
+    with connected(target, retry_broken_s=resubmit.RETRY_FOR_S, resumed=request_id is not None) as client:
         if any(task is not None for _, task, _ in job.after):
             job.spec["after"] = _task_jobs(client, job.after)
         message = messages.submit(job.spec, job.hold, array=job.array,

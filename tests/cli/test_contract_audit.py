@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 
 import pytest
 
@@ -201,10 +200,19 @@ def test_a_stale_default_socket_does_not_hide_a_live_one(tmp_path: object) -> No
         shutil.rmtree(fallback_dir, ignore_errors=True)
 
 
-def test_submit_retries_a_connection_that_breaks_during_the_hello(
-    daemon_factory: Callable[..., DaemonHandle],
-) -> None:
-    """The retry covered a request whose answer was lost, not a daemon killed during the hello."""
+PYTHON_PROGRAM = [sys.executable, "-P", "-c", "from gpusched_cli.fastpath import main; main()"]
+
+
+@pytest.mark.parametrize("program", [[GPUSCHED], PYTHON_PROGRAM], ids=["installed", "python"])
+@pytest.mark.parametrize("read_hello", [False, True], ids=["reset", "eof"])
+def test_submit_retries_a_connection_that_breaks_during_the_hello(program: list[str], read_hello: bool) -> None:
+    """The retry covered a request whose answer was lost, not a daemon killed during the hello; and
+    the C front (the installed `gpusched` where a compiler was found) ran the Python program afresh
+    after a broken hello, which took the socket its daemon was restarting on for one never there.
+
+    The daemon is gone before it can answer: closing with the hello unread (the client sees a reset
+    or a broken pipe), or after reading it (a plain end of file); its socket is missing until the
+    new daemon binds it, as in a restart."""
     base = short_tmpdir()
     path = os.path.join(base, "g.sock")
     listener = socket.socket(socket.AF_UNIX)
@@ -214,7 +222,10 @@ def test_submit_retries_a_connection_that_breaks_during_the_hello(
                           overrides={"allow_root_jobs": True, "cgroup_root": "off", "tick_s": 0.2})
 
     def break_then_serve() -> None:
-        conn, _ = listener.accept()  # as a daemon killed during the hello: accepted, then gone
+        conn, _ = listener.accept()
+        if read_hello:
+            header = conn.recv(4, socket.MSG_WAITALL)
+            conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
         conn.close()
         listener.close()
         os.unlink(path)
@@ -223,10 +234,12 @@ def test_submit_retries_a_connection_that_breaks_during_the_hello(
     server = threading.Thread(target=break_then_serve)
     server.start()
     try:
-        result = run(path, "submit", "--gpus", "1", "--hold", "--json", "true")
+        result = subprocess.run([*program, "--socket", path, "submit", "--gpus", "1", "--hold", "--json", "true"],
+                                capture_output=True, text=True, timeout=60)
         server.join(30)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["state"] == "HELD"
+        assert len(json.loads(run(path, "queue", "--json").stdout)["jobs"]) == 1  # queued once
     finally:
         server.join(30)
         handle.stop()
