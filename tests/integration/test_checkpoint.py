@@ -87,7 +87,8 @@ def test_a_checkpointed_job_gives_its_gpu_away_and_resumes_where_it_was(daemon_f
         held = c.call(ShowRequest(job_id=trainer), ShowResult).job
         assert held.state is JobState.SUSPENDED and held.allocation is None, (held.state, held.reason)
         assert "checkpointed" in held.reason and "interactive" in held.reason
-        assert held.pid == before.pid and _proc_state(held.pid) == "T"  # alive, making no progress
+        assert held.pid == before.pid  # alive, making no progress (a write to disk in flight ends first: D, then T)
+        wait_until(lambda: _proc_state(before.pid or 0) == "T", timeout=10, what="the trainer stopped")
         reader = StoreReader.open(os.path.join(daemon.state_dir, "gpusched.db"))
         try:  # what a restart needs to restore it: which job, on which GPU
             assert json.loads(reader.get_meta(META_KEY) or "{}") == {
@@ -236,7 +237,9 @@ def test_a_share_is_suspended_in_place_for_an_interactive_share_and_continues_af
         [stopped] = [j for j in batch if state_of(c, j) is JobState.SUSPENDED]
         job = c.call(ShowRequest(job_id=stopped), ShowResult).job
         assert "suspended in place" in job.reason and job.allocation is not None  # it keeps its memory
-        assert _proc_state(pids[stopped]) == "T"
+        # stopped, or about to be: a process in uninterruptible sleep (D, its count's write to disk)
+        # takes the SIGSTOP as that write returns
+        wait_until(lambda: _proc_state(pids[stopped]) == "T", timeout=10, what="the batch share stopped")
         wait_until(lambda: state_of(c, interactive) is JobState.COMPLETED, timeout=30, what="interactive done")
         wait_until(lambda: state_of(c, stopped) is JobState.RUNNING, timeout=30, what="batch share continued")
         job = c.call(ShowRequest(job_id=stopped), ShowResult).job
@@ -444,7 +447,7 @@ def test_a_checkpoint_cut_off_by_a_crash_is_repaired_at_the_next_start() -> None
 
     try:
         job_id, pid = asyncio.run(crash_midway())
-        assert _proc_state(pid) == "T"  # frozen
+        wait_until(lambda: _proc_state(pid) == "T", timeout=10, what="the job frozen")  # (D first, mid-write)
         state, cuda_state, kinds = asyncio.run(restart(job_id, pid))
     finally:
         kill_job_processes(config.state_dir)
