@@ -6,7 +6,10 @@ fsync) per job, WAL, synchronous=FULL; it is measured right before and right aft
 phases (the disk is shared, and its fsync time drifts) and their mean is the baseline. Group commit
 (gpusched/daemon/groupcommit.py) lets concurrent submits share one COMMIT, so with many clients
 the daemon can beat that floor: the printed ratio is submits/s / floor (the goal is >= 2 with 16
-clients). Arrays: the time until `--array 1-10000` is acknowledged (one request, one transaction,
+clients). The clients send what `gpusched submit` sends, a request_id included, on plain sockets and
+read the answers as its C front does (harness.send_submits_concurrently): on 2 cores their CPU is
+taken from the daemon's, and a client building pydantic models used 60-110 us of it per submit,
+several times what the real client does. Arrays: the time until `--array 1-10000` is acknowledged (one request, one transaction,
 durable), over the socket and as a whole `gpusched submit` process. The CLI's baseline is
 `python -c pass`: the part of `gpusched submit` that no client code can remove. The baseline for
 submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python interpreter started per
@@ -39,8 +42,10 @@ from gpusched.protocol import (
     SubmitResult,
     WaitRequest,
     WaitResult,
+    encode_frame,
 )
 from gpusched_cli.client import Client
+from gpusched_cli.resubmit import new_request_id
 
 
 @dataclass
@@ -92,20 +97,31 @@ class Throughput:
     client_cpu_us: dict[int, float]  # this process's CPU per submit: the client threads' share of the 2 cores
 
 
+_KEY = "0" * 32
+_SUBMIT = encode_frame(SubmitRequest(spec=h.spec(["true"], gpus=1), request_id=_KEY).model_dump(mode="json"))
+
+
+def submit_frame() -> bytes:
+    """A submit of `true` on 1 GPU as `gpusched submit` sends it: with a request_id made as the CLI
+    makes them (each submit its own). Built as the C front builds its frame, bytes around the key."""
+    return _SUBMIT.replace(_KEY.encode(), new_request_id().encode(), 1)
+
+
 def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
-    """Submits/s per client count, the daemon's CPU per submit in microseconds (utime+stime over the
+    """Submits/s per client count (each client a thread sending `submit_frame()` on its own socket
+    and reading the answer, one in flight, as `gpusched submit` does), the daemon's CPU per submit in
+    microseconds (utime+stime over the
     phase: what the ratio to the floor is made of when the daemon is the busy side), this process's CPU
     per submit (the client threads: on 2 cores they and the daemon share the machine), and submits per
     COMMIT from the daemon's own counters (group commit at work). Jobs queue behind a blocker, so no
     job process competes for CPU; each phase's jobs are cancelled afterwards (outside the CPU
     reading) so every phase starts with an empty queue."""
     out = Throughput({}, {}, {}, {})
-    job = h.spec(["true"], gpus=1)
     for clients in sizes.clients:
         commits = d.metrics_counter("gpusched_group_commits_total")
         writes = d.metrics_counter("gpusched_group_commit_writes_total")
         before, own_before = h.cpu_seconds(d.pid), h.cpu_seconds(os.getpid())
-        elapsed, ids = h.submit_concurrently(d.socket, job, sizes.submits, clients)
+        elapsed, ids = h.send_submits_concurrently(d.socket, submit_frame, sizes.submits, clients)
         out.cpu_us[clients] = 1e6 * (h.cpu_seconds(d.pid) - before) / sizes.submits
         out.client_cpu_us[clients] = 1e6 * (h.cpu_seconds(os.getpid()) - own_before) / sizes.submits
         out.rates[clients] = sizes.submits / elapsed

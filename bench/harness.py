@@ -7,9 +7,11 @@ Scripts import this as `harness` (the script's folder is first on sys.path when 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -19,20 +21,23 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpusched.daemon.executor import kill_recorded_jobs
 from gpusched.model import JobSpec, WholeRequest
 from gpusched.protocol import (
+    PROTOCOL_VERSION,
     CancelRequest,
     CancelResult,
     QueueRequest,
     QueueResult,
     SubmitRequest,
     SubmitResult,
+    encode_frame,
 )
+from gpusched.wire import HEADER, frame_length
 from gpusched_cli.client import Client
 
 T = TypeVar("T")
@@ -178,10 +183,62 @@ def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec
     Returns (seconds from the first submit to the last ack, job ids). Threads, not processes:
     each blocks in recv() while the daemon works, so the GIL is not what limits the rate.
     """
-    per = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
     conns = [Client(socket_path, timeout=120) for _ in range(clients)]
     for c in conns:
         c.connect()
+
+    def submits(i: int, first: int, count: int) -> list[int]:
+        return [submit_one(conns[i], job if isinstance(job, JobSpec) else job(first + n)) for n in range(count)]
+
+    try:
+        return _in_threads(submits, total, clients)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def send_submits_concurrently(socket_path: str, frame: Callable[[], bytes], total: int,
+                              clients: int) -> tuple[float, list[int]]:
+    """As `submit_concurrently`, but each client sends the frame bytes `frame()` makes (a submit as
+    `gpusched submit` sends it, say) on a plain socket and reads the answer as the C front does: no
+    model built or validated on the client's side, whose CPU shares the machine with the daemon's."""
+    socks = []
+    for _ in range(clients):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(120)
+        sock.connect(socket_path)
+        sock.sendall(encode_frame({"op": "hello", "version": PROTOCOL_VERSION, "client": "bench"}))
+        _answer(sock)
+        socks.append(sock)
+
+    def submits(i: int, first: int, count: int) -> list[int]:
+        ids = []
+        for _ in range(count):
+            socks[i].sendall(frame())
+            reply = _answer(socks[i])
+            if reply.get("ok") is not True:
+                raise RuntimeError(f"submit refused: {reply}")
+            ids.append(int(reply["result"]["job_id"]))
+        return ids
+
+    try:
+        return _in_threads(submits, total, clients)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _answer(sock: socket.socket) -> dict[str, Any]:
+    header = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    body = sock.recv(frame_length(header), socket.MSG_WAITALL)
+    return cast(dict[str, Any], json.loads(body))
+
+
+def _in_threads(submits: Callable[[int, int, int], list[int]], total: int,
+                clients: int) -> tuple[float, list[int]]:
+    """Run `submits(client, first, count)` on `clients` threads at once, `total` split between them;
+    (seconds from the start to the last one's end, every id in client order)."""
+    per = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
     ids: list[list[int]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
     start = threading.Barrier(clients + 1)
@@ -189,8 +246,7 @@ def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec
     def work(i: int) -> None:
         start.wait()
         try:
-            first = sum(per[:i])
-            ids[i] = [submit_one(conns[i], job if isinstance(job, JobSpec) else job(first + n)) for n in range(per[i])]
+            ids[i] = submits(i, sum(per[:i]), per[i])
         except BaseException as exc:
             errors.append(exc)
 
@@ -202,8 +258,6 @@ def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
-    for c in conns:
-        c.close()
     if errors:
         raise errors[0]
     return elapsed, [j for chunk in ids for j in chunk]

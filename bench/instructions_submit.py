@@ -39,6 +39,7 @@ from gpusched.daemon.handlers import Peer
 from gpusched.daemon.server import Server
 from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, SubmitRequest, encode_frame
 from gpusched.wire import HEADER
+from gpusched_cli.resubmit import new_request_id
 
 SIM = "H100-80GB:8"
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/alice", "LANG": "C.UTF-8"}
@@ -85,10 +86,13 @@ class _Client:
         await self.done.wait()
 
 
-def _submit_frame(i: int) -> bytes:
+def _submit_frame(i: int, request_ids: str) -> bytes:
+    """The i-th submit; with a request_id as `gpusched submit` makes them (`cli`), 128 random bits
+    (`random`, as the CLI made them before round 18), or none."""
     spec = {"argv": ["python", "train.py", f"--seed={i}"], "cwd": "/home/alice/sweep", "env": ENV,
             "request": {"kind": "whole", "gpus": 1}}
-    return encode_frame(SubmitRequest.model_validate({"spec": spec}).model_dump(mode="json"))
+    request_id = {"cli": new_request_id, "random": lambda: os.urandom(16).hex(), "none": lambda: None}[request_ids]()
+    return encode_frame(SubmitRequest.model_validate({"spec": spec, "request_id": request_id}).model_dump(mode="json"))
 
 
 async def _round(clients: list[_Client], frames: list[bytes]) -> None:
@@ -97,12 +101,12 @@ async def _round(clients: list[_Client], frames: list[bytes]) -> None:
     await asyncio.gather(*(c.send(share) for c, share in zip(clients, shares, strict=True) if share))
 
 
-def inner(submits: int, warmup: int, clients: int) -> int:
+def inner(submits: int, warmup: int, clients: int, request_ids: str = "cli") -> int:
     base = tempfile.mkdtemp(prefix="gsi", dir="/tmp")
     config = DaemonConfig(socket=os.path.join(base, "g.sock"), state_dir=os.path.join(base, "state"), sim=SIM,
                           allow_root_jobs=True, cgroup_root="off", max_pending_per_user=10**7,
                           submit_rate_per_user=1e9)
-    frames = [_submit_frame(i) for i in range(warmup + submits)]
+    frames = [_submit_frame(i, request_ids) for i in range(warmup + submits)]
     hello = encode_frame(HelloRequest(version=PROTOCOL_VERSION, client="bench").model_dump(mode="json"))
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -147,7 +151,7 @@ def outer(args: argparse.Namespace, rest: list[str]) -> int:
         shutil.rmtree(out, ignore_errors=True)
     sys.stdout.write(stdout)
     print(f"{total / args.submits:,.0f} instructions per submit ({total:,} for {args.submits} submits, "
-          f"{args.clients} clients, after {args.warmup} warm-up submits)")
+          f"{args.clients} clients, after {args.warmup} warm-up submits, request_ids: {args.request_ids})")
     return 0
 
 
@@ -156,14 +160,18 @@ def main() -> int:
     parser.add_argument("--submits", type=int, default=2000, help="submits counted")
     parser.add_argument("--warmup", type=int, default=400, help="submits before counting (caches, first batches)")
     parser.add_argument("--clients", type=int, default=16, help="connections, one submit in flight each")
+    parser.add_argument("--request-ids", choices=["cli", "random", "none"], default="cli",
+                        help="each submit's request_id: as `gpusched submit` makes it (default), 128 random bits, "
+                             "or none")
     parser.add_argument("--inner", action="store_true", help="run the driver itself (what valgrind runs)")
     parser.add_argument("--quick", action="store_true", help="the driver alone, 50 submits after 20: a smoke run")
     args = parser.parse_args()
     if args.quick:
-        return inner(50, 20, args.clients)
+        return inner(50, 20, args.clients, args.request_ids)
     if args.inner:
-        return inner(args.submits, args.warmup, args.clients)
-    rest = ["--submits", str(args.submits), "--warmup", str(args.warmup), "--clients", str(args.clients)]
+        return inner(args.submits, args.warmup, args.clients, args.request_ids)
+    rest = ["--submits", str(args.submits), "--warmup", str(args.warmup), "--clients", str(args.clients),
+            "--request-ids", args.request_ids]
     return outer(args, rest)
 
 

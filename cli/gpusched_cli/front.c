@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef GPUSCHED_PYTHON
@@ -574,12 +575,16 @@ static bool build_request(const Submit *s, Buf *b) {
     put_number_or_null(b, s->mem_mib, "");
     put(b, "},\"hold\":");
     put(b, s->hold ? "true" : "false");
-    unsigned char id[16];
-    if (getrandom(id, sizeof id, 0) != (ssize_t)sizeof id)
+    /* resubmit.new_request_id: the time in nanoseconds, then 64 random bits, in 32 hex digits (keys
+     * in the order they were made are cheap for the daemon's index of them) */
+    struct timespec now;
+    unsigned char id[8];
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0 || getrandom(id, sizeof id, 0) != (ssize_t)sizeof id)
         return false;
     char hex[33];
+    snprintf(hex, 17, "%016llx", (unsigned long long)now.tv_sec * 1000000000ULL + (unsigned long long)now.tv_nsec);
     for (size_t i = 0; i < sizeof id; i++)
-        snprintf(hex + 2 * i, 3, "%02x", id[i]);
+        snprintf(hex + 16 + 2 * i, 3, "%02x", id[i]);
     put(b, ",\"request_id\":\"");
     put(b, hex);
     put(b, "\"}");

@@ -25,6 +25,21 @@ from gpusched.model import (
 )
 
 
+class KnownRequest(Exception):
+    """The submit's request_id was used before by the same user: the job it created is the answer
+    (`ArrayStore.submit_key`), and this write must create nothing (the caller rolls it back)."""
+
+
+def insert_submit_key(db: sqlite3.Connection, uid: int, key: str, job_id: int) -> None:
+    """Record `key` as the request that created `job_id` (a job or an array). The table's primary
+    key is what finds a retried submit, so a submit does not look its key up before writing it
+    (a SELECT per submit); KnownRequest when the key is there already."""
+    try:
+        db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, key, job_id))
+    except sqlite3.IntegrityError:
+        raise KnownRequest(key) from None
+
+
 class ArrayRow(NamedTuple):
     """A job array as stored: its spec text, size and %MAX, and whose it is."""
 
@@ -125,7 +140,7 @@ def insert_array(db: sqlite3.Connection, *, uid: int, gid: int, user: str, spec:
     db.executemany("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
                    [(job_id, seq, t.state.value, t.at, t.reason) for job_id in ids for seq, t in stored])
     if request_id is not None:
-        db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, array_id))
+        insert_submit_key(db, uid, request_id, array_id)
     # Copies of one validated task: building 10,000 Jobs field by field (validated or not) costs ~9 us
     # each, a copy ~2 us; they share the spec object, as they share its row.
     first = Job(id=ids[0], uid=uid, gid=gid, user=user, spec=spec, state=state, submitted_at=now, reason=reason,

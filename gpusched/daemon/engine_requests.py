@@ -16,6 +16,7 @@ from gpusched.arrayspec import ArraySpec, ArraySpecError, parse_array_spec
 from gpusched.construct import construct, fields_of
 from gpusched.core.fairshare import FairShare
 from gpusched.core.scheduler import unsatisfiable_reason
+from gpusched.daemon.arraystore import KnownRequest
 from gpusched.daemon.engine_core import EngineCore
 from gpusched.daemon.groupcommit import Write
 from gpusched.daemon.recovery import StopRequest
@@ -44,10 +45,25 @@ class RequestsMixin(EngineCore):
         """Validate against this node, commit (one COMMIT shared with the submits that arrive with it),
         then wake the loop. Returns once the job, or the array and all its tasks, is durable; raises
         ProtocolError. A `request_id` seen before returns what it created, and creates nothing."""
-        if request_id is not None:
-            known = await self._known_request(uid, request_id)
+        if request_id is not None and (uid, request_id) in self._requests:  # its first attempt is being committed
+            return await self._pending_request(uid, request_id)
+        try:
+            return await self._submit_new(uid=uid, gid=gid, user=user, spec=spec, hold=hold, array=array,
+                                          request_id=request_id)
+        except (ProtocolError, KnownRequest) as exc:
+            # A request_id used before answers with what it created, whatever this attempt met (a limit
+            # its own first attempt now fills, say). Looked up only here: a submit's key is checked by
+            # the table's primary key when it is written (arraystore.insert_submit_key).
+            known = self._stored_request(uid, request_id) if request_id is not None else None
             if known is not None:
                 return known
+            if isinstance(exc, KnownRequest):  # its job was pruned between the write and this lookup
+                raise ProtocolError(ErrorCode.INVALID_STATE, f"request_id {request_id} was used before, and "
+                                    "what it created is no longer kept", "submit with a new request_id") from None
+            raise
+
+    async def _submit_new(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool, array: str | None,
+                          request_id: str | None) -> SubmitResult:
         tasks = self._array_spec(array) if array is not None else None
         if uid == 0 and not self.config.allow_root_jobs:
             raise ProtocolError(
@@ -83,6 +99,8 @@ class RequestsMixin(EngineCore):
             future.add_done_callback(lambda _: self._requests.pop((uid, request_id), None))
         try:
             array_id, jobs = await future
+        except KnownRequest:
+            raise  # (the caller answers with the job it created)
         except (OSError, sqlite3.Error) as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"the job could not be stored: {exc}",
                                 "nothing was queued; see the daemon's log") from None
@@ -137,12 +155,13 @@ class RequestsMixin(EngineCore):
                 submit_all(queue, ready)
         self.wake()
 
-    async def _known_request(self, uid: int, request_id: str) -> SubmitResult | None:
-        """What an earlier submit with this request_id created (still being committed, or stored)."""
-        pending = self._requests.get((uid, request_id))
-        if pending is not None:
-            array_id, jobs = await asyncio.shield(pending)
-            return _submitted(array_id, jobs, duplicate=True)
+    async def _pending_request(self, uid: int, request_id: str) -> SubmitResult:
+        """What the first submit with this request_id created, once it is committed (or its error)."""
+        array_id, jobs = await asyncio.shield(self._requests[(uid, request_id)])
+        return _submitted(array_id, jobs, duplicate=True)
+
+    def _stored_request(self, uid: int, request_id: str) -> SubmitResult | None:
+        """What an earlier, committed submit with this request_id created, if its key is still kept."""
         made = self.store.submit_key(uid, request_id)
         if made is None:
             return None

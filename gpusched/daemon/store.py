@@ -17,7 +17,7 @@ from typing import Any
 from gpusched.arrayspec import ArraySpec
 from gpusched.construct import construct, fields_of
 from gpusched.daemon import schema
-from gpusched.daemon.arraystore import insert_array
+from gpusched.daemon.arraystore import insert_array, insert_submit_key
 from gpusched.daemon.envstore import prune_envs, store_env
 from gpusched.daemon.storereader import NO_SPEC, StoreReader, SummaryRow
 from gpusched.model import (
@@ -190,7 +190,7 @@ class Store(StoreReader):
                 db.execute("INSERT INTO transitions (job_id, seq, state, at, reason) VALUES (?, ?, ?, ?, ?)",
                            (job_id, seq, t.state._value_, t.at, t.reason))
             if request_id is not None:
-                db.execute("INSERT INTO submit_keys (uid, key, job_id) VALUES (?, ?, ?)", (uid, request_id, job_id))
+                insert_submit_key(db, uid, request_id, job_id)
         return compact.job(
             id=job_id, uid=uid, gid=gid, user=user, spec=shared, state=last.state,
             submitted_at=now, reason=last.reason, history=history,

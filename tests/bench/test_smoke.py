@@ -80,3 +80,11 @@ def test_instructions_submit_quick() -> None:
     """The driver alone (no valgrind): every submit answered ok, in batches of group commit."""
     out = run_quick("instructions_submit.py")
     assert "70 submits answered (0 not ok)" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_bench_request_keys_quick() -> None:
+    out = run_quick("bench_request_keys.py")
+    for key in ("none", "random", "ordered"):
+        assert f"key {key}" in out, out
+    assert "x no key" in out

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,14 +223,18 @@ def test_the_front_sends_the_frame_python_sends(fronts: Fronts, recorder: Callab
         args = ["--socket", daemon.path, *args]
     else:
         env["GPUSCHED_SOCKET"] = daemon.path
+    began = time.time_ns()
     ours = _run([fronts.alone], args, env=env, cwd=str(tmp_path))
     python = _run(PYTHON_CLI, args, env=env, cwd=str(tmp_path))
+    ended = time.time_ns()
     assert (ours.returncode, ours.stdout, ours.stderr) == (python.returncode, python.stdout, python.stderr) == (
         0, python.stdout, ""), ours.stderr
     assert len(daemon.submits) == 2
     (front_frame, front_id), (python_frame, python_id) = map(_masked, daemon.submits)
     assert front_frame == python_frame
     assert front_id != python_id
+    # both made as resubmit.new_request_id makes them: the time in nanoseconds first, so in order
+    assert began <= int(front_id[:16], 16) < int(python_id[:16], 16) <= ended
 
 
 @pytest.mark.parametrize(("flag", "values"), [

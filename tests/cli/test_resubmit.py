@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,18 @@ from gpusched_cli.main import cli
 from tests.conftest import DaemonHandle
 
 SPEC = JobSpec(argv=["true"], cwd="/tmp", request=WholeRequest(gpus=1), name="once")
+
+
+def test_request_ids_are_unique_and_in_the_order_they_were_made() -> None:
+    """The daemon's index of request_ids takes keys made in order at its end (resubmit.new_request_id)."""
+    began = time.time_ns()
+    ids = [resubmit.new_request_id() for _ in range(2000)]
+    ended = time.time_ns()
+    assert all(re.fullmatch(r"[0-9a-f]{32}", key) for key in ids)
+    assert len(set(ids)) == len(ids)
+    made = [int(key[:16], 16) for key in ids]
+    assert made == sorted(made) and began <= made[0] and made[-1] <= ended
+    SubmitRequest(spec=SPEC, request_id=ids[0])  # what the protocol accepts
 
 
 def test_a_submit_is_sent_again_across_a_restart_and_queued_once(daemon_factory: Callable[..., DaemonHandle]) -> None:

@@ -18,10 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 
+import pytest
+
 from gpusched.daemon.store import StoreReader
 from gpusched.model import JobSpec, JobState, WholeRequest
 from gpusched.protocol import (
     PROTOCOL_VERSION,
+    ErrorCode,
     ProtocolError,
     SubmitRequest,
     SubmitResult,
@@ -96,6 +99,51 @@ def test_the_same_request_id_in_flight_twice_makes_one_job(daemon: DaemonHandle)
     first, second = asyncio.run_coroutine_threadsafe(twice(), daemon.loop).result(30)
     assert first.job_id == second.job_id and [first.duplicate, second.duplicate] == [False, True]
     assert len(stored_names(daemon.state_dir)["twin"]) == 1
+
+
+def test_a_retry_committed_with_new_submits_is_answered_alone(daemon: DaemonHandle) -> None:
+    """A submit's key is checked by the table's primary key as it is written, not looked up first:
+    a retry that lands in a batch with new submits fails alone (the batch is written again write by
+    write), is answered with the job its first attempt made, and the new ones are queued once each."""
+    assert daemon.daemon is not None and daemon.loop is not None
+    engine = daemon.daemon.engine
+    key = uuid.uuid4().hex
+
+    async def retry_among_new() -> tuple[SubmitResult, list[SubmitResult]]:
+        first = await engine.submit(uid=0, gid=0, user="root", spec=spec("retried"), hold=True, request_id=key)
+        batch = await asyncio.gather(
+            engine.submit(uid=0, gid=0, user="root", spec=spec("retried"), hold=True, request_id=key),
+            *(engine.submit(uid=0, gid=0, user="root", spec=spec("new"), hold=True, request_id=uuid.uuid4().hex)
+              for _ in range(3)))
+        return first, batch
+
+    before = engine.commits.commits
+    first, (again, *new) = asyncio.run_coroutine_threadsafe(retry_among_new(), daemon.loop).result(30)
+    assert engine.commits.commits == before + 2  # the retry was in the second COMMIT, with the new ones
+    assert again.model_dump() == {**first.model_dump(), "duplicate": True}
+    assert not any(r.duplicate for r in new) and len({r.job_id for r in new}) == 3
+    assert stored_names(daemon.state_dir) == {"retried": [first.job_id], "new": sorted(r.job_id for r in new)}
+
+
+def test_a_retry_is_answered_with_its_job_even_at_the_users_limit(daemon_factory: Callable[..., DaemonHandle],
+                                                                 ) -> None:
+    """The first attempt filled the user's last pending place: the retry is not refused for the
+    limit its own job now fills, but answered with that job."""
+    daemon = daemon_factory(max_pending_per_user=1)
+    assert daemon.daemon is not None and daemon.loop is not None
+    engine = daemon.daemon.engine
+    key = uuid.uuid4().hex
+
+    def submit(request_id: str) -> SubmitResult:
+        return asyncio.run_coroutine_threadsafe(
+            engine.submit(uid=4321, gid=4321, user="bob", spec=spec("limited"), hold=True, request_id=request_id),
+            daemon.loop).result(30)
+
+    first = submit(key)
+    assert submit(key).model_dump() == {**first.model_dump(), "duplicate": True}
+    with pytest.raises(ProtocolError) as refused:
+        submit(uuid.uuid4().hex)  # a new request is refused: the limit stands
+    assert refused.value.code is ErrorCode.LIMIT_EXCEEDED
 
 
 def test_request_ids_are_per_user_and_survive_a_restart(daemon: DaemonHandle) -> None:
