@@ -48,8 +48,9 @@ class RequestsMixin(EngineCore):
         if request_id is not None and (uid, request_id) in self._requests:  # its first attempt is being committed
             return await self._pending_request(uid, request_id)
         try:
-            return await self._submit_new(uid=uid, gid=gid, user=user, spec=spec, hold=hold, array=array,
-                                          request_id=request_id)
+            array_id, jobs = await self._write_submit(uid=uid, gid=gid, user=user, spec=spec, hold=hold, array=array,
+                                                      request_id=request_id)
+            return _submitted(array_id, jobs, duplicate=False)
         except (ProtocolError, KnownRequest) as exc:
             # A request_id used before answers with what it created, whatever this attempt met (a limit
             # its own first attempt now fills, say). Looked up only here: a submit's key is checked by
@@ -61,9 +62,15 @@ class RequestsMixin(EngineCore):
                 raise ProtocolError(ErrorCode.INVALID_STATE, f"request_id {request_id} was used before, and "
                                     "what it created is no longer kept", "submit with a new request_id") from None
             raise
+        except (OSError, sqlite3.Error) as exc:
+            raise ProtocolError(ErrorCode.INTERNAL, f"the job could not be stored: {exc}",
+                                "nothing was queued; see the daemon's log") from None
 
-    async def _submit_new(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool, array: str | None,
-                          request_id: str | None) -> SubmitResult:
+    def _write_submit(self, *, uid: int, gid: int, user: str, spec: JobSpec, hold: bool, array: str | None,
+                      request_id: str | None) -> asyncio.Future[tuple[int | None, list[Job]]]:
+        """Check the submit against this node and its user's limits, and queue its write for the next
+        COMMIT; the future resolves to (array id, jobs) once that is durable. A plain function, not a
+        coroutine: one coroutine fewer per submit."""
         tasks = self._array_spec(array) if array is not None else None
         if uid == 0 and not self.config.allow_root_jobs:
             raise ProtocolError(
@@ -97,14 +104,7 @@ class RequestsMixin(EngineCore):
         if request_id is not None:
             self._requests[(uid, request_id)] = future
             future.add_done_callback(lambda _: self._requests.pop((uid, request_id), None))
-        try:
-            array_id, jobs = await future
-        except KnownRequest:
-            raise  # (the caller answers with the job it created)
-        except (OSError, sqlite3.Error) as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"the job could not be stored: {exc}",
-                                "nothing was queued; see the daemon's log") from None
-        return _submitted(array_id, jobs, duplicate=False)
+        return future
 
     def _array_spec(self, text: str) -> ArraySpec:
         limit = self.config.max_array_size
