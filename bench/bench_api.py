@@ -9,9 +9,9 @@ the daemon can beat that floor: the printed ratio is submits/s / floor (the goal
 clients). The clients send what `gpusched submit` sends, a request_id included, on plain sockets and
 read the answers as its C front does (harness.send_submits_concurrently): on 2 cores their CPU is
 taken from the daemon's, and a client building pydantic models used 60-110 us of it per submit,
-several times what the real client does. Arrays: the time until `--array 1-10000` is acknowledged (one request, one transaction,
-durable), over the socket and as a whole `gpusched submit` process. The CLI's baseline is
-`python -c pass`: the part of `gpusched submit` that no client code can remove. The baseline for
+several times what the real client does. Arrays: the time until `--array 1-10000` is acknowledged
+(one request, one transaction, durable), over the socket and as a whole `gpusched submit` process.
+The CLI's baseline is `python -c pass`: the part of `gpusched submit` that no client code can remove. The baseline for
 submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python interpreter started per
 job's shim, as before the fork server), sampled alternately with the default `launcher =
 "forkserver"` in the same run.
