@@ -16,12 +16,11 @@ from typing import Any
 
 from gpusched.arrayspec import ArraySpec
 from gpusched.construct import construct, fields_of
-from gpusched.daemon import schema
+from gpusched.daemon import retention, schema
 from gpusched.daemon.arraystore import insert_array, insert_submit_key
-from gpusched.daemon.envstore import prune_envs, store_env
+from gpusched.daemon.envstore import store_env
 from gpusched.daemon.storereader import NO_SPEC, StoreReader, SummaryRow
 from gpusched.model import (
-    TERMINAL_STATES,
     TRANSITIONS,
     Allocation,
     Event,
@@ -256,51 +255,9 @@ class Store(StoreReader):
 
     def prune_finished(self, *, ended_before: float, keep: int, protect: Iterable[int] = (),
                        batch: int = 500) -> list[int]:
-        """Delete up to `batch` finished jobs (with their transitions and events) that ended before
-        `ended_before` or are beyond the newest `keep` finished ones; never those in `protect` (the
-        targets of pending `--after` dependencies), nor, of an array in `protect`, one task of each
-        state its tasks ended in (all `--after ARRAY` reads). Returns
-        the ids deleted; call again until empty.
-        Small batches keep each write transaction short, so the loop's own commits never wait long."""
-        terminal = [s.value for s in TERMINAL_STATES]
-        marks = ", ".join("?" for _ in terminal)
-        protected = set(protect)
-        # The newest `keep` are the last to have ended (not the highest ids: a two-day job that ends
-        # after a sweep of short ones must not lose its record and log to them at once).
-        cutoff = self._db.execute(
-            f"SELECT ended_at, id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
-            "ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?", (*terminal, keep)).fetchone() if keep >= 0 else None
-        doomed_end, doomed_id = cutoff if cutoff is not None else (float("-inf"), 0)  # this one and older go
-        # `--after ARRAY` reads how the array ended from the set of states its tasks ended in
-        # (engine_core._dependency_status), so a protected array keeps one task per state, not all of
-        # them: one held job's 64 `--after` slots could otherwise keep 64 arrays of 10,001 tasks.
-        protected |= {row[0] for row in self._db.execute(
-            "SELECT MIN(id) FROM jobs WHERE array_id IN (SELECT value FROM json_each(?)) GROUP BY array_id, state",
-            (json.dumps(sorted(protected)),))}
-        candidates = self._db.execute(
-            f"SELECT id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
-            "AND (ended_at < ? OR (ended_at, id) <= (?, ?)) ORDER BY ended_at, id LIMIT ?",
-            (*terminal, ended_before, doomed_end, doomed_id, batch + len(protected)),
-        ).fetchall()
-        ids = [r[0] for r in candidates if r[0] not in protected][:batch]
-        if not ids:
-            return []
-        id_marks = ", ".join("?" for _ in ids)
-        with self._tx() as db:
-            arrays = [r[0] for r in db.execute(
-                f"SELECT DISTINCT array_id FROM jobs WHERE id IN ({id_marks}) AND array_id IS NOT NULL", ids)]
-            envs = [r[0] for r in db.execute(
-                f"SELECT DISTINCT env_id FROM jobs WHERE id IN ({id_marks}) AND env_id IS NOT NULL", ids)]
-            db.execute(f"DELETE FROM transitions WHERE job_id IN ({id_marks})", ids)
-            db.execute(f"DELETE FROM events WHERE job_id IN ({id_marks})", ids)
-            db.execute(f"DELETE FROM jobs WHERE id IN ({id_marks})", ids)
-            db.execute(f"DELETE FROM submit_keys WHERE job_id IN ({id_marks})", ids)
-            for array_id in arrays:  # an array goes with its last task (and its submit key with it)
-                if db.execute("SELECT 1 FROM jobs WHERE array_id = ? LIMIT 1", (array_id,)).fetchone() is None:
-                    db.execute("DELETE FROM arrays WHERE id = ?", (array_id,))
-                    db.execute("DELETE FROM submit_keys WHERE job_id = ?", (array_id,))
-            prune_envs(db, envs)  # an environment goes with the last job that names it
-        return ids
+        """Delete up to `batch` finished jobs (retention.prune_finished); the ids deleted."""
+        return retention.prune_finished(self._db, self._tx, ended_before=ended_before, keep=keep, protect=protect,
+                                        batch=batch)
 
     # ---- device and job events -------------------------------------------------------------------
 
