@@ -3,7 +3,7 @@ JSON -> one `submit` request (and `--wait`).
 
 commands/submit.py makes the click command from SUBMIT; fastpath.py parses the same declaration
 when the command line is a plain one and calls `prepare` and `send` itself, never importing click.
-The request carries a random request_id and is sent again across a daemon restart (resubmit.py);
+The request carries a request_id of its own and is sent again across a daemon restart (resubmit.py);
 `--array` makes it a job array, checked here with the daemon's own parser before anything is sent.
 
 The spec is built as the JSON the JobSpec model would dump (gpusched_cli.messages), without
