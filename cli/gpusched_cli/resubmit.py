@@ -3,9 +3,8 @@
 Every submit carries a `request_id` of its own (`new_request_id`). When the connection breaks after
 the request went out and before its answer came back (the daemon was killed, restarted, or is
 shutting down), we cannot know whether the job was committed; so we reconnect and send the very
-same request again. The
-daemon keeps each user's request_ids with their jobs: if the first attempt was committed, the
-second returns that job (`duplicate: true`) instead of creating another one.
+same request again. The daemon keeps each user's request_ids with their jobs: if the first attempt
+was committed, the second returns that job (`duplicate: true`) instead of creating another one.
 
 Plain JSON in and out, as the rest of the client (messages.py, results.py): no pydantic here.
 """
