@@ -11,10 +11,10 @@ read the answers as its C front does (harness.send_submits_concurrently): on 2 c
 taken from the daemon's, and a client building pydantic models used 60-110 us of it per submit,
 several times what the real client does. Arrays: the time until `--array 1-10000` is acknowledged
 (one request, one transaction, durable), over the socket and as a whole `gpusched submit` process.
-The CLI's baseline is `python -c pass`: the part of `gpusched submit` that no client code can remove. The baseline for
-submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python interpreter started per
-job's shim, as before the fork server), sampled alternately with the default `launcher =
-"forkserver"` in the same run.
+The CLI's baseline is `python -c pass`: the part of `gpusched submit` that no client code can
+remove. The baseline for submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python
+interpreter started per job's shim, as before the fork server), sampled alternately with the
+default `launcher = "forkserver"` in the same run.
 
     python bench/bench_api.py            # full run (~1 min on 2 cores)
     python bench/bench_api.py --quick    # CI smoke (a few seconds)
@@ -110,9 +110,9 @@ def submit_frame() -> bytes:
 def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
     """Submits/s per client count (each client a thread sending `submit_frame()` on its own socket
     and reading the answer, one in flight, as `gpusched submit` does), the daemon's CPU per submit in
-    microseconds (utime+stime over the
-    phase: what the ratio to the floor is made of when the daemon is the busy side), this process's CPU
-    per submit (the client threads: on 2 cores they and the daemon share the machine), and submits per
+    microseconds (utime+stime over the phase: what the ratio to the floor is made of when the daemon
+    is the busy side), this process's CPU per submit (the client threads: on 2 cores they and the
+    daemon share the machine), and submits per
     COMMIT from the daemon's own counters (group commit at work). Jobs queue behind a blocker, so no
     job process competes for CPU; each phase's jobs are cancelled afterwards (outside the CPU
     reading) so every phase starts with an empty queue."""

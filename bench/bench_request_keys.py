@@ -27,11 +27,11 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness as h
+
 from gpusched_cli.resubmit import new_request_id
 
-KEYS: dict[str, Callable[[], str] | None] = {
-    "none": None, "random": lambda: os.urandom(16).hex(), "ordered": new_request_id,
-}
+KEYS: dict[str, Callable[[], str] | None] = {"none": None, "random": h.random_request_id, "ordered": new_request_id}
 SPEC = '{"argv":["python","train.py"],"cwd":"/home/alice/sweep","request":{"kind":"whole","gpus":1}}' + " " * 300
 
 
@@ -88,13 +88,10 @@ def main() -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
-    base_wall, base_cpu = (median([f[i] for f in figures["none"]]) for i in (0, 1))
+    base_wall, base_cpu = (h.median([f[i] for f in figures["none"]]) for i in (0, 1))
     print(f"{args.submits} submits, {args.batch} per COMMIT, after {args.kept} kept; median of {args.rounds} rounds")
     for name in KEYS:
-        wall, cpu = (median([f[i] for f in figures[name]]) for i in (0, 1))
+        wall, cpu = (h.median([f[i] for f in figures[name]]) for i in (0, 1))
         print(f"  key {name:8s} {wall:6.1f} us wall ({wall / base_wall:.2f}x no key)  "
               f"{cpu:6.1f} us CPU ({cpu / base_cpu:.2f}x)")
     return 0

@@ -7,7 +7,6 @@ Scripts import this as `harness` (the script's folder is first on sys.path when 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,7 +36,7 @@ from gpusched.protocol import (
     SubmitResult,
     encode_frame,
 )
-from gpusched.wire import HEADER, frame_length
+from gpusched.wire import HEADER, decode_body, frame_length
 from gpusched_cli.client import Client
 
 T = TypeVar("T")
@@ -230,8 +229,13 @@ def send_submits_concurrently(socket_path: str, frame: Callable[[], bytes], tota
 
 def _answer(sock: socket.socket) -> dict[str, Any]:
     header = sock.recv(HEADER.size, socket.MSG_WAITALL)
-    body = sock.recv(frame_length(header), socket.MSG_WAITALL)
-    return cast(dict[str, Any], json.loads(body))
+    return decode_body(sock.recv(frame_length(header), socket.MSG_WAITALL))
+
+
+def random_request_id() -> str:
+    """128 random bits in hex: what `gpusched submit` sent as its request_id before round 18 (now
+    resubmit.new_request_id), for the benchmarks that compare the two."""
+    return os.urandom(16).hex()
 
 
 def _in_threads(submits: Callable[[int, int, int], list[int]], total: int,

@@ -91,7 +91,7 @@ def _submit_frame(i: int, request_ids: str) -> bytes:
     (`random`, as the CLI made them before round 18), or none."""
     spec = {"argv": ["python", "train.py", f"--seed={i}"], "cwd": "/home/alice/sweep", "env": ENV,
             "request": {"kind": "whole", "gpus": 1}}
-    request_id = {"cli": new_request_id, "random": lambda: os.urandom(16).hex(), "none": lambda: None}[request_ids]()
+    request_id = {"cli": new_request_id, "random": h.random_request_id, "none": lambda: None}[request_ids]()
     return encode_frame(SubmitRequest.model_validate({"spec": spec, "request_id": request_id}).model_dump(mode="json"))
 
 
