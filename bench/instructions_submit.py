@@ -3,8 +3,8 @@
 Wall-clock rates are noise on a small, shared machine; instruction counts are not. The daemon is
 booted in-process (as tests/conftest.py boots it) with every GPU drained, so nothing starts and
 no process is forked. `--clients` connections are served by the real `Server._session` (framing,
-parsing, handler, engine, group commit, scheduling pass, the answer), each fed its submit frames
-as the CLI encodes them through an in-memory reader, and answered into a writer that only checks
+parsing, handler, engine, group commit, scheduling pass, the answer), each the daemon's own
+`Connection` fed its submit frames as the CLI encodes them, over a transport that only checks
 each answer says ok; one submit in flight per connection, as a blocking client has it, so group
 commit batches up to `--clients` of them. Only the measured submits are counted (they run inside
 `sys.call_tracing`, callgrind's --toggle-collect point): start-up and `--warmup` submits are not.
@@ -35,6 +35,7 @@ import harness as h
 
 from gpusched.config import DaemonConfig
 from gpusched.daemon import main as daemon_main
+from gpusched.daemon.connection import Connection
 from gpusched.daemon.handlers import Peer
 from gpusched.daemon.server import Server
 from gpusched.protocol import PROTOCOL_VERSION, HelloRequest, SubmitRequest, encode_frame
@@ -47,11 +48,10 @@ PEER = Peer(pid=4242, uid=4242, gid=4242)  # an ordinary user: the per-user limi
 _OK = b'{"ok":true'
 
 
-class _Answers:
-    """The connection's writer: counts answers, and those that are not ok (the transport is itself)."""
+class _Transport:
+    """The connection's transport: counts answers, and those that are not ok; the kernel takes every write."""
 
     def __init__(self, done: asyncio.Event, target: list[int]) -> None:
-        self.transport = self
         self.answers = 0
         self.refused = 0
         self._done, self._target = done, target
@@ -66,23 +66,36 @@ class _Answers:
     def get_write_buffer_size(self) -> int:
         return 0  # the kernel took it all: no drain
 
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 class _Client:
     """One connection: its session, the frames fed to it, and what it was answered."""
 
     def __init__(self, server: Server) -> None:
-        self.reader = asyncio.StreamReader()
         self.done = asyncio.Event()
         self.target = [0]
-        self.writer = _Answers(self.done, self.target)
-        self.session = asyncio.ensure_future(
-            server._session(self.reader, cast(asyncio.StreamWriter, self.writer), PEER))
+        self.transport = _Transport(self.done, self.target)
+        self.conn = Connection(lambda conn: server._session(conn, PEER))  # (no socket: the peer is given)
+        self.conn.connection_made(cast(asyncio.Transport, self.transport))
+        assert self.conn.task is not None
+        self.session = self.conn.task
 
     async def send(self, frames: list[bytes]) -> None:
         """Feed `frames` and wait for their answers (the session reads the next after answering one)."""
         self.done.clear()
-        self.target[0] = self.writer.answers + len(frames)
-        self.reader.feed_data(b"".join(frames))
+        self.target[0] = self.transport.answers + len(frames)
+        self.conn.data_received(b"".join(frames))
         await self.done.wait()
 
 
@@ -93,6 +106,11 @@ def _submit_frame(i: int, request_ids: str) -> bytes:
             "request": {"kind": "whole", "gpus": 1}}
     request_id = {"cli": new_request_id, "random": h.random_request_id, "none": lambda: None}[request_ids]()
     return encode_frame(SubmitRequest.model_validate({"spec": spec, "request_id": request_id}).model_dump(mode="json"))
+
+
+async def _connect(server: Server, clients: int) -> list[_Client]:
+    """The connections, made in the loop as the server's own are."""
+    return [_Client(server) for _ in range(clients)]
 
 
 async def _round(clients: list[_Client], frames: list[bytes]) -> None:
@@ -114,7 +132,7 @@ def inner(submits: int, warmup: int, clients: int, request_ids: str = "cli") -> 
     try:
         for gpu in range(8):  # nothing starts: the queue only grows, as behind a long job
             daemon.engine.drain(str(gpu), "bench")
-        conns = [_Client(daemon.server) for _ in range(clients)]
+        conns = loop.run_until_complete(_connect(daemon.server, clients))
         loop.run_until_complete(_round(conns, [hello] * clients))
         loop.run_until_complete(_round(conns, frames[:warmup]))
         commits, writes = daemon.engine.commits.commits, daemon.engine.commits.writes
@@ -123,10 +141,10 @@ def inner(submits: int, warmup: int, clients: int, request_ids: str = "cli") -> 
         batches = daemon.engine.commits.commits - commits
         mean = (daemon.engine.commits.writes - writes) / max(1, batches)
         for c in conns:
-            c.reader.feed_eof()
+            c.conn.eof_received()
         loop.run_until_complete(asyncio.gather(*(c.session for c in conns)))
-        refused = sum(c.writer.refused for c in conns)
-        answered = sum(c.writer.answers for c in conns) - clients
+        refused = sum(c.transport.refused for c in conns)
+        answered = sum(c.transport.answers for c in conns) - clients
         print(f"{answered} submits answered ({refused} not ok), {batches} commits of {mean:.1f} on average, "
               f"{len(daemon.engine.jobs)} jobs queued")
         if refused or answered != warmup + submits:

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from gpusched.daemon.connection import Connection
 from gpusched.daemon.deadlines import Deadline, Deadlines
 from gpusched.daemon.engine import Engine
 from gpusched.daemon.handlers import HANDLERS, Context, Peer
@@ -32,7 +33,6 @@ from gpusched.protocol import (
     ReloadResult,
     encode_frame,
     error,
-    frame_length,
     ok,
     ok_body,
     parse_frame,
@@ -115,7 +115,8 @@ class Server:
     async def start(self) -> None:
         """Listen. Called only once the engine has loaded every job: nobody is served a half-loaded state."""
         claim_socket_path(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self._serve),
+                                                                            path=self.path)
         os.chmod(self.path, 0o666)  # anyone may connect; SO_PEERCRED decides what they may do
 
     async def close(self, grace_s: float = 10.0) -> None:
@@ -136,15 +137,14 @@ class Server:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: Connection) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
         counted = False
         peer = Peer(0, 0, 0)
         try:
-            sock = writer.get_extra_info("socket")
-            peer = peer_credentials(sock)
+            peer = peer_credentials(conn.peer_socket())
             mine = self._per_uid.get(peer.uid, 0) + 1
             self._per_uid[peer.uid] = mine
             counted = True
@@ -152,11 +152,11 @@ class Server:
             if len(self._connections) > self.max_connections or (
                     peer.uid not in (0, os.geteuid()) and mine > self.per_uid_limit):
                 self.refused_connections += 1
-                await self._send(writer, error(ErrorCode.INTERNAL, "too many connections",
-                                               "close idle gpusched clients (e.g. `top`) and try again"))
+                await self._send(conn, error(ErrorCode.INTERNAL, "too many connections",
+                                             "close idle gpusched clients (e.g. `top`) and try again"))
                 return
-            await self._session(reader, writer, peer)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            await self._session(conn, peer)
+        except (ConnectionError, TimeoutError):
             pass  # the client went away, or stopped reading our replies: nothing more to say
         finally:
             self._connections.discard(task)
@@ -164,11 +164,27 @@ class Server:
                 self._per_uid[peer.uid] -= 1
                 if not self._per_uid[peer.uid]:
                     del self._per_uid[peer.uid]
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            await self._hang_up(conn)
 
-    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer) -> None:
+    async def _hang_up(self, conn: Connection) -> None:
+        """Close the connection once the kernel has taken what was written to it, within read_timeout_s;
+        at once if the daemon is stopping. A client that reads none of its answers must hold neither
+        its slot nor the daemon's shutdown."""
+        if self._closing:
+            conn.abort()
+            return
+        conn.close()
+        if not conn.closed.done():
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    await asyncio.shield(conn.closed)
+            except TimeoutError:
+                conn.abort()
+            except asyncio.CancelledError:
+                conn.abort()  # the daemon began to stop meanwhile
+                raise
+
+    async def _session(self, conn: Connection, peer: Peer) -> None:
         user = self.engine.user_name(peer.uid)
         ctx = Context(self.engine, peer, user, self.engine.is_admin(peer.uid), self.backend_name,
                       self.request_shutdown, self.path, self.reload)
@@ -179,7 +195,7 @@ class Server:
         hello_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT_S
         try:
             while not self._closing:
-                body = await self._read_frame(reader, writer, deadline, greeted, hello_by)
+                body = await self._read_frame(conn, deadline, greeted, hello_by)
                 if body is None:
                     return
                 self._begin()
@@ -188,14 +204,13 @@ class Server:
                 finally:
                     self._end()
                 if isinstance(reply, AsyncIterator):
-                    await self._stream(reader, writer, reply)  # the connection now belongs to the stream
+                    await self._stream(conn, reply)  # the connection now belongs to the stream
                     return
-                await self._send(writer, reply)
+                await self._send(conn, reply)
         finally:
             self._deadlines.forget(deadline)
 
-    async def _read_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, deadline: Deadline,
-                          greeted: bool, hello_by: float) -> bytes | None:
+    async def _read_frame(self, conn: Connection, deadline: Deadline, greeted: bool, hello_by: float) -> bytes | None:
         """The next request's body, or None when the connection is to be closed (after saying why, when
         there is something to say).
 
@@ -205,46 +220,48 @@ class Server:
         daemon's CPU at thousands of requests a second."""
         framing = False  # the first byte came: the frame must now be finished within read_timeout_s
         try:
-            deadline.arm(self.idle_timeout_s if greeted else max(0.0, hello_by - asyncio.get_running_loop().time()))
-            first = await reader.readexactly(1)
+            if not conn.buffered:
+                deadline.arm(self.idle_timeout_s if greeted else max(0.0, hello_by - asyncio.get_running_loop().time()))
+                while not conn.buffered:
+                    if conn.at_eof:
+                        return None
+                    await conn.wait()
             framing = True
             deadline.arm(self.read_timeout_s)
-            try:
-                header = first + await reader.readexactly(HEADER.size - 1)
-            except asyncio.IncompleteReadError:
-                deadline.disarm()
-                await self._send(writer, error(ErrorCode.BAD_FRAME, "truncated frame header"))
-                return None
-            return await reader.readexactly(frame_length(header))
+            while (body := conn.take_frame()) is None:
+                if conn.at_eof:  # the rest of the frame never comes
+                    if conn.buffered < HEADER.size:
+                        deadline.disarm()
+                        await self._send(conn, error(ErrorCode.BAD_FRAME, "truncated frame header"))
+                    return None
+                await conn.wait()
+            return body
         except asyncio.CancelledError:
             if not deadline.fired():
                 raise
             if framing:
-                await self._send(writer, error(ErrorCode.BAD_FRAME, f"frame not completed within "
-                                               f"{self.read_timeout_s:g} s; closing"))
+                await self._send(conn, error(ErrorCode.BAD_FRAME, f"frame not completed within "
+                                             f"{self.read_timeout_s:g} s; closing"))
             elif not greeted:
-                await self._send(writer, error(ErrorCode.HELLO_REQUIRED,
-                                               f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
+                await self._send(conn, error(ErrorCode.HELLO_REQUIRED,
+                                             f"no hello within {HELLO_TIMEOUT_S:g} s; closing"))
             return None  # idle after hello: close quietly (a client reconnects when it needs to)
-        except asyncio.IncompleteReadError:
-            return None
         except ProtocolError as exc:
             # The announced body is not read, so the stream cannot be resynchronised: close.
             deadline.disarm()
-            await self._send(writer, error(exc.code, exc.message, exc.hint))
+            await self._send(conn, error(exc.code, exc.message, exc.hint))
             return None
         finally:
             deadline.disarm()
 
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      results: AsyncIterator[BaseModel]) -> None:
+    async def _stream(self, conn: Connection, results: AsyncIterator[BaseModel]) -> None:
         """Send each result of a streaming request until the client hangs up or we shut down."""
-        hangup = asyncio.ensure_future(reader.read(1))  # a streaming client sends nothing more
+        hangup = asyncio.ensure_future(_hangup(conn))  # a streaming client sends nothing more
         try:
             async for result in results:
                 if hangup.done() or self._closing:
                     break
-                await self._send(writer, ok(result))
+                await self._send(conn, ok(result))
         finally:
             hangup.cancel()
             await results.aclose()  # type: ignore[attr-defined]
@@ -292,18 +309,24 @@ class Server:
         if self._in_flight == 0:
             self._idle.set()
 
-    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any] | bytes) -> None:
+    async def _send(self, conn: Connection, message: dict[str, Any] | bytes) -> None:
         """Send a message (or the JSON body of one, already serialised)."""
         try:
             frame = to_frame(message) if isinstance(message, bytes) else encode_frame(message)
         except ProtocolError as exc:  # a reply too large for one frame: say so instead of hanging up
             frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
                                        "ask for less (e.g. `queue --user`, a smaller --limit)"))
-        writer.write(frame)
-        if writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
+        conn.write(frame)
+        if conn.transport is not None and conn.transport.get_write_buffer_size():  # the kernel did not take it all
             # A client that stops reading must not hold the reply (and its connection) for ever.
             async with asyncio.timeout(self.read_timeout_s):
-                await writer.drain()
+                await conn.drain()
+
+
+async def _hangup(conn: Connection) -> None:
+    """Until a streaming client sends anything, or its end of file: either way it is done listening."""
+    if not conn.buffered:
+        await conn.wait()
 
 
 def _name(uid: int) -> str:

@@ -83,6 +83,13 @@ def test_instructions_submit_quick() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_instructions_daemon_quick() -> None:
+    """The real daemon without valgrind: drained, every submit answered and left PENDING."""
+    out = run_quick("instructions_daemon.py")
+    assert "50 submits answered, the last PENDING" in out, out
+
+
+@pytest.mark.timeout(120)
 def test_bench_request_keys_quick() -> None:
     out = run_quick("bench_request_keys.py")
     for key in ("none", "random", "ordered"):

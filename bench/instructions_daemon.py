@@ -1,0 +1,104 @@
+"""The real daemon's instructions per submit, counted by callgrind: uvloop, real sockets, 16 clients.
+
+`instructions_submit.py` counts the request path in-process, on asyncio's own loop and fed through
+memory; this counts `gpuschedd` itself as `bench_api` runs it (`python -m gpusched.daemon.main`
+on uvloop), its clients in this process sending what `gpusched submit` sends on plain sockets, so
+the socket layer (the daemon's `Connection`, uvloop's transports) is counted as it runs. Only user
+space is counted (the kernel's socket and fsync work is not), and only the measured submits:
+the daemon runs with callgrind's instrumentation off (`--instr-atstart=no`) through its start and
+the warm-up submits, and `callgrind_control` turns it on for the measured ones and dumps after them.
+Every GPU is drained, so the jobs stay PENDING and nothing is forked.
+
+    python bench/instructions_daemon.py                  # 1600 submits after 400, 16 clients
+    python bench/instructions_daemon.py --submits 800 --clients 8
+    python bench/instructions_daemon.py --quick          # the daemon without valgrind: a smoke run
+
+Needs valgrind (`apt-get install valgrind`, which has `callgrind_control`); PYTHONHASHSEED=0.
+Compare two trees with the same arguments. Figures are of the tree the script lies in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness as h
+from bench_api import submit_frame
+
+from gpusched_cli.client import Client
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start(d: h.DaemonProc, valgrind: bool) -> str:
+    """Start the daemon (under callgrind, its instrumentation off, with `valgrind`); returns the dump's path."""
+    config = os.path.join(d.base, "gpusched.toml")
+    with open(config, "w") as f:
+        f.write(h.CONFIG)
+    out = os.path.join(d.base, "callgrind.out")
+    wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"] if valgrind else []
+    with open(os.path.join(d.base, "daemon.log"), "ab") as log:
+        d.proc = subprocess.Popen(
+            [*wrapper, sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", d.sim,
+             "--socket", d.socket, "--state-dir", d.state_dir],
+            stdout=log, stderr=log, start_new_session=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"})
+    h.wait_until(d._answers, 300 if valgrind else 60, what=f"gpuschedd on {d.socket}")
+    return out
+
+
+def count(submits: int, warmup: int, clients: int, valgrind: bool) -> int:
+    d = h.DaemonProc(h.short_tmpdir("gbi-"))
+    try:
+        out = start(d, valgrind)
+        with Client(d.socket, timeout=300) as c:
+            for gpu in range(8):  # nothing starts: the queue only grows, as behind a long job
+                c.request({"op": "gpu_drain", "device": str(gpu), "reason": "bench"})
+        h.send_submits_concurrently(d.socket, submit_frame, warmup, clients)
+        if valgrind:
+            subprocess.run(["callgrind_control", "--instr=on", str(d.pid)], check=True, capture_output=True)
+        _elapsed, ids = h.send_submits_concurrently(d.socket, submit_frame, submits, clients)
+        if valgrind:
+            subprocess.run(["callgrind_control", "--dump", str(d.pid)], check=True, capture_output=True)
+        with Client(d.socket, timeout=300) as c:
+            queued = c.request({"op": "show", "job_id": ids[-1]})["job"]["state"]
+        print(f"{len(ids)} submits answered, the last {queued}")
+        if len(ids) != submits or queued != "PENDING":
+            return 1
+        if not valgrind:
+            return 0
+        totals = []
+        for path in glob.glob(out + ".*"):  # the dump callgrind_control asked for (the exit's comes later)
+            with open(path) as f:
+                found = re.search(r"^(?:totals|summary): (\d+)", f.read(), re.MULTILINE)
+            if found is not None:
+                totals.append(int(found.group(1)))
+        if not totals:
+            print("no callgrind dump was written", file=sys.stderr)
+            return 1
+        print(f"{max(totals) / submits:,.0f} daemon instructions per submit ({max(totals):,} for {submits} submits, "
+              f"{clients} clients, after {warmup} warm-up submits)")
+        return 0
+    finally:
+        d.cleanup()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--submits", type=int, default=1600, help="submits counted")
+    parser.add_argument("--warmup", type=int, default=400, help="submits before counting")
+    parser.add_argument("--clients", type=int, default=16, help="connections, one submit in flight each")
+    parser.add_argument("--quick", action="store_true", help="50 submits after 20, without valgrind: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        return count(50, 20, args.clients, valgrind=False)
+    return count(args.submits, args.warmup, args.clients, valgrind=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
