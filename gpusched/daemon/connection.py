@@ -113,7 +113,8 @@ class Connection(asyncio.Protocol):
         body_at = start + HEADER.size
         end = body_at + frame_length(buffer[start:body_at])
         if len(buffer) < end:
-            self._need = end - start
+            self._need = end - start  # (reading may have paused before this frame's size was known)
+            self._resume_if_room()
             return None
         body = buffer[body_at:end]
         if end == len(buffer):
@@ -121,11 +122,14 @@ class Connection(asyncio.Protocol):
         else:
             self._taken = end
         self._need = HEADER.size
-        if self._reading_paused and len(self._buffer) - self._taken <= _HIGH_WATER:
+        self._resume_if_room()
+        return body
+
+    def _resume_if_room(self) -> None:
+        if self._reading_paused and len(self._buffer) - self._taken <= self._need + _HIGH_WATER:
             self._reading_paused = False
             assert self.transport is not None
             self.transport.resume_reading()
-        return body
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
