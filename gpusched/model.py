@@ -11,7 +11,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpusched.modelattrs import remove_hook
 from gpusched.wire import MAX_MEM_MIB
+
+remove_hook()  # every model's attribute reads at CPython's fast path (modelattrs.py)
 
 
 class JobState(StrEnum):
