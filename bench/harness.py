@@ -105,15 +105,16 @@ class DaemonProc:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 60.0) -> float:
-        """Start the daemon; returns seconds until its socket answers a hello."""
+    def start(self, timeout: float = 60.0, wrapper: Sequence[str] = ()) -> float:
+        """Start the daemon (run by `wrapper`, e.g. valgrind, if given); returns seconds until its socket
+        answers a hello."""
         config = os.path.join(self.base, "gpusched.toml")
         with open(config, "w") as f:
             f.write(CONFIG + self.extra_config)
         log = open(os.path.join(self.base, "daemon.log"), "ab")  # noqa: SIM115 - the child owns it
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
+            [*wrapper, sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
              "--socket", self.socket, "--state-dir", self.state_dir],
             stdout=log, stderr=log, start_new_session=True,
         )
@@ -289,11 +290,16 @@ def callgrind_instructions(argv: Sequence[str], out_dir: str, options: Sequence[
     stdout, stderr = proc.communicate()
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, argv, stdout, stderr)
-    with open(os.path.join(out_dir, f"callgrind.out.{proc.pid}")) as f:
-        match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+    return callgrind_total(os.path.join(out_dir, f"callgrind.out.{proc.pid}")), stdout
+
+
+def callgrind_total(path: str) -> int:
+    """The instructions a callgrind output file counts in all."""
+    with open(path) as f:
+        match = re.search(r"^(?:totals|summary): (\d+)", f.read(), re.MULTILINE)
     if match is None:
-        raise RuntimeError("no totals in callgrind's output")
-    return int(match.group(1)), stdout
+        raise RuntimeError(f"no totals in callgrind's output {path}")
+    return int(match.group(1))
 
 
 def percentile(values: Sequence[float], p: float) -> float:

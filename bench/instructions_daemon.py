@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import re
 import subprocess
 import sys
 
@@ -33,29 +32,13 @@ from bench_api import submit_frame
 
 from gpusched_cli.client import Client
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def start(d: h.DaemonProc, valgrind: bool) -> str:
-    """Start the daemon (under callgrind, its instrumentation off, with `valgrind`); returns the dump's path."""
-    config = os.path.join(d.base, "gpusched.toml")
-    with open(config, "w") as f:
-        f.write(h.CONFIG)
-    out = os.path.join(d.base, "callgrind.out")
-    wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"] if valgrind else []
-    with open(os.path.join(d.base, "daemon.log"), "ab") as log:
-        d.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", d.sim,
-             "--socket", d.socket, "--state-dir", d.state_dir],
-            stdout=log, stderr=log, start_new_session=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"})
-    h.wait_until(d._answers, 300 if valgrind else 60, what=f"gpuschedd on {d.socket}")
-    return out
-
 
 def count(submits: int, warmup: int, clients: int, valgrind: bool) -> int:
     d = h.DaemonProc(h.short_tmpdir("gbi-"))
+    out = os.path.join(d.base, "callgrind.out")
     try:
-        out = start(d, valgrind)
+        d.start(timeout=300, wrapper=["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                      f"--callgrind-out-file={out}"] if valgrind else [])
         with Client(d.socket, timeout=300) as c:
             for gpu in range(8):  # nothing starts: the queue only grows, as behind a long job
                 c.request({"op": "gpu_drain", "device": str(gpu), "reason": "bench"})
@@ -72,16 +55,12 @@ def count(submits: int, warmup: int, clients: int, valgrind: bool) -> int:
             return 1
         if not valgrind:
             return 0
-        totals = []
-        for path in glob.glob(out + ".*"):  # the dump callgrind_control asked for (the exit's comes later)
-            with open(path) as f:
-                found = re.search(r"^(?:totals|summary): (\d+)", f.read(), re.MULTILINE)
-            if found is not None:
-                totals.append(int(found.group(1)))
-        if not totals:
+        dumps = glob.glob(out + ".*")  # the dump callgrind_control asked for (the exit's comes later)
+        if not dumps:
             print("no callgrind dump was written", file=sys.stderr)
             return 1
-        print(f"{max(totals) / submits:,.0f} daemon instructions per submit ({max(totals):,} for {submits} submits, "
+        total = max(h.callgrind_total(path) for path in dumps)
+        print(f"{total / submits:,.0f} daemon instructions per submit ({total:,} for {submits} submits, "
               f"{clients} clients, after {warmup} warm-up submits)")
         return 0
     finally:
@@ -89,6 +68,7 @@ def count(submits: int, warmup: int, clients: int, valgrind: bool) -> int:
 
 
 def main() -> int:
+    os.environ["PYTHONHASHSEED"] = "0"  # the daemon's (a fixed hash seed: the same dict layouts run to run)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--submits", type=int, default=1600, help="submits counted")
     parser.add_argument("--warmup", type=int, default=400, help="submits before counting")

@@ -51,7 +51,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buffer = self._buffer[self._taken :] + data if self._buffer else data
         self._taken = 0
-        if len(self._buffer) > self._need + _HIGH_WATER and not self._reading_paused:
+        if not self._reading_paused and not self._has_room():
             self._reading_paused = True
             assert self.transport is not None
             self.transport.pause_reading()
@@ -125,15 +125,21 @@ class Connection(asyncio.Protocol):
         self._resume_if_room()
         return body
 
+    def _has_room(self) -> bool:
+        """At most _HIGH_WATER bytes wait beyond the frame being assembled."""
+        return self.buffered <= self._need + _HIGH_WATER
+
     def _resume_if_room(self) -> None:
-        if self._reading_paused and len(self._buffer) - self._taken <= self._need + _HIGH_WATER:
+        if self._reading_paused and self._has_room():
             self._reading_paused = False
             assert self.transport is not None
             self.transport.resume_reading()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes) -> bool:
+        """Send `data`; True if the kernel did not take it all at once (the caller may `drain`)."""
         assert self.transport is not None
         self.transport.write(data)
+        return bool(self.transport.get_write_buffer_size())
 
     async def drain(self) -> None:
         """Until the transport's write buffer is under its high-water mark (at once if it is)."""

@@ -316,8 +316,7 @@ class Server:
         except ProtocolError as exc:  # a reply too large for one frame: say so instead of hanging up
             frame = encode_frame(error(ErrorCode.INTERNAL, f"the reply is too large to send: {exc.message}",
                                        "ask for less (e.g. `queue --user`, a smaller --limit)"))
-        conn.write(frame)
-        if conn.transport is not None and conn.transport.get_write_buffer_size():  # the kernel did not take it all
+        if conn.write(frame):  # the kernel did not take it all at once
             # A client that stops reading must not hold the reply (and its connection) for ever.
             async with asyncio.timeout(self.read_timeout_s):
                 await conn.drain()
