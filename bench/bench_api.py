@@ -11,6 +11,11 @@ read the answers as its C front does (harness.send_submits_concurrently): on 2 c
 taken from the daemon's, and a client building pydantic models used 60-110 us of it per submit,
 several times what the real client does. Arrays: the time until `--array 1-10000` is acknowledged
 (one request, one transaction, durable), over the socket and as a whole `gpusched submit` process.
+Beside each throughput phase the same clients drive bench/bare_server.py, the least a durable Python
+submit server can do (frames, one INSERT each, one COMMIT per turn of its loop, no validation, no
+scheduler), on the same disk, and the same with `--checked` (gpusched's own request validation and
+request_id key added): their rates are the ceiling for a Python daemon on this machine, and
+gpusched's rate is also printed as a fraction of each.
 The CLI's baseline is `python -c pass`: the part of `gpusched submit` that no client code can
 remove. The baseline for submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python
 interpreter started per job's shim, as before the fork server), sampled alternately with the
@@ -31,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 import harness as h
+from bare_server import BareServer
 
 from gpusched.model import JobState
 from gpusched.protocol import (
@@ -95,6 +101,9 @@ class Throughput:
     cpu_us: dict[int, float]  # the daemon's CPU per submit
     per_fsync: dict[int, float]  # submits one COMMIT (one fsync) made durable, on average
     client_cpu_us: dict[int, float]  # this process's CPU per submit: the client threads' share of the 2 cores
+    # bench/bare_server.py, plain and --checked: (submits/s, its CPU us per submit) per client count,
+    # the same clients right after gpusched's phase
+    ceilings: dict[str, dict[int, tuple[float, float]]]
 
 
 _KEY = "0" * 32
@@ -107,7 +116,7 @@ def submit_frame() -> bytes:
     return _SUBMIT.replace(_KEY.encode(), new_request_id().encode(), 1)
 
 
-def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
+def throughput(d: h.DaemonProc, ceilings: dict[str, BareServer], sizes: Sizes) -> Throughput:
     """Submits/s per client count (each client a thread sending `submit_frame()` on its own socket
     and reading the answer, one in flight, as `gpusched submit` does), the daemon's CPU per submit in
     microseconds (utime+stime over the phase: what the ratio to the floor is made of when the daemon
@@ -115,8 +124,9 @@ def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
     daemon share the machine), and submits per
     COMMIT from the daemon's own counters (group commit at work). Jobs queue behind a blocker, so no
     job process competes for CPU; each phase's jobs are cancelled afterwards (outside the CPU
-    reading) so every phase starts with an empty queue."""
-    out = Throughput({}, {}, {}, {})
+    reading) so every phase starts with an empty queue. After each phase the same clients drive
+    each of `ceilings` (bench/bare_server.py)."""
+    out = Throughput({}, {}, {}, {}, {name: {} for name in ceilings})
     for clients in sizes.clients:
         commits = d.metrics_counter("gpusched_group_commits_total")
         writes = d.metrics_counter("gpusched_group_commit_writes_total")
@@ -129,6 +139,11 @@ def throughput(d: h.DaemonProc, sizes: Sizes) -> Throughput:
                                   / (d.metrics_counter("gpusched_group_commits_total") - commits))
         with Client(d.socket, timeout=120) as c:
             h.cancel_all(c, ids)
+        for name, bare in ceilings.items():
+            before = h.cpu_seconds(bare.pid)
+            elapsed, ids = h.send_submits_concurrently(bare.socket, submit_frame, sizes.submits, clients)
+            out.ceilings[name][clients] = (sizes.submits / elapsed,
+                                           1e6 * (h.cpu_seconds(bare.pid) - before) / sizes.submits)
     return out
 
 
@@ -227,6 +242,9 @@ def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latenc
     for clients, rate in rates.items():
         table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu_us[clients],
                   tput.client_cpu_us[clients], tput.per_fsync[clients])
+    for name, by_clients in tput.ceilings.items():
+        for clients, (rate, cpu) in by_clients.items():
+            table.add(f"{name}, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu, "-", "-")
     print(table.render())
     print()
     print(f"job array of {sizes.array_tasks} tasks ({len(arr.ack)} runs; accepted = committed, one transaction)")
@@ -260,6 +278,10 @@ def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latenc
               f"x {rate / floor:.2f}; the daemon's CPU {cpu_us[clients]:.0f} us per submit, the clients' "
               f"{tput.client_cpu_us[clients]:.0f} us, "
               f"{tput.per_fsync[clients]:.1f} submits per fsync")
+        for name, by_clients in tput.ceilings.items():
+            bare, cpu = by_clients[clients]
+            print(f"    against {name} ({bare:.0f}/s = the floor x {bare / floor:.2f}, {cpu:.0f} us of CPU per "
+                  f"submit): gpusched = {name} x {rate / bare:.2f}")
     print(f"  --array 1-{sizes.array_tasks} accepted in {1000 * h.median(arr.ack):.0f} ms p50 over the socket, "
           f"{1000 * h.median(arr.cli):.0f} ms as a whole `gpusched submit` process (goal <= 1000 ms)")
     for name, pick in (("p50", h.median), ("p99", lambda v: h.percentile(v, 99))):
@@ -287,7 +309,9 @@ def main() -> int:
         spawn.cleanup()  # done with it: it must not take CPU from the throughput phases
         block_all_gpus(d)  # cleanup() kills it with the daemon
         before = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
-        tput = throughput(d, sizes)
+        # the daemon's disk and folder, as the floor
+        with BareServer(d.state_dir) as bare, BareServer(d.state_dir, checked=True) as checked:
+            tput = throughput(d, {"bare_server.py": bare, "bare_server.py --checked": checked}, sizes)
         after = sqlite_floor(d.state_dir, sizes.submits)
         arr = arrays(d, sizes)
         cli = cli_times(d, sizes.cli_runs)

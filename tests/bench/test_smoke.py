@@ -27,6 +27,7 @@ def test_bench_api_quick() -> None:
     out = run_quick("bench_api.py")
     assert "SQLite INSERT+COMMIT" in out
     assert "gpusched submit, 16 concurrent clients" in out
+    assert "bare_server.py --checked, 16 concurrent clients" in out and "gpusched = bare_server.py x" in out
     assert "submit -> RUNNING" in out
     assert "gpusched submit process p50" in out
     assert "single-commit floor" in out and "x the floor" in out and "daemon CPU us each" in out
@@ -83,9 +84,11 @@ def test_instructions_submit_quick() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_instructions_daemon_quick() -> None:
-    """The real daemon without valgrind: drained, every submit answered and left PENDING."""
-    out = run_quick("instructions_daemon.py")
+@pytest.mark.parametrize("server", ["gpuschedd", "checked"])
+def test_instructions_daemon_quick(server: str) -> None:
+    """The real daemon (or bench_api's ceiling) without valgrind: every submit answered, the daemon's
+    left PENDING."""
+    out = run_quick("instructions_daemon.py", "--server", server)
     assert "50 submits answered, the last PENDING" in out, out
 
 
