@@ -112,13 +112,14 @@ def fill(d: h.DaemonProc, target: int, have: int, clients: int, steps: int, dist
     The rate per chunk shows whether submitting gets slower as the queue grows. With `distinct`
     every job has its own argv (`true 17`), as in a sweep submitted job by job, so nothing but the
     environment and the request can be shared; otherwise all are the same spec, as an array's tasks.
+    Each submit carries a request_id as `gpusched submit`'s do, so the database holds their keys too.
     """
     same = h.spec(["true"], gpus=1, env=env)
     chunk = max(1, (target - have + steps - 1) // steps)
     while have < target:
         n = min(chunk, target - have)
         job = (lambda k, base=have: h.spec(["true", str(base + k)], gpus=1, env=env)) if distinct else same
-        elapsed, _ = h.submit_concurrently(d.socket, job, n, clients)
+        elapsed, _ = h.submit_concurrently(d.socket, job, n, clients, request_ids=True)
         have += n
         print(f"  queued {have:>7}: last {n} submits at {n / elapsed:7.0f}/s ({elapsed:.1f} s)", flush=True)
 

@@ -38,6 +38,7 @@ from gpusched.protocol import (
 )
 from gpusched.wire import HEADER, decode_body, frame_length
 from gpusched_cli.client import Client
+from gpusched_cli.resubmit import new_request_id
 
 T = TypeVar("T")
 
@@ -171,14 +172,16 @@ class DaemonProc:
 kill_job_processes = kill_recorded_jobs  # jobs outlive the daemon under their shims
 
 
-def submit_one(client: Client, job: JobSpec) -> int:
-    return client.call(SubmitRequest(spec=job), SubmitResult).job_id
+def submit_one(client: Client, job: JobSpec, request_id: str | None = None) -> int:
+    return client.call(SubmitRequest(spec=job, request_id=request_id), SubmitResult).job_id
 
 
 def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec], total: int,
-                        clients: int) -> tuple[float, list[int]]:
+                        clients: int, request_ids: bool = False) -> tuple[float, list[int]]:
     """`total` submits spread over `clients` threads, each on its own connection (connected first).
     `job` is one spec for all, or a function from the submit's number (0..total-1) to its spec.
+    `request_ids`: each submit carries one made as `gpusched submit` makes it, so the daemon keeps
+    its key as it does for the CLI's submits.
 
     Returns (seconds from the first submit to the last ack, job ids). Threads, not processes:
     each blocks in recv() while the daemon works, so the GIL is not what limits the rate.
@@ -188,7 +191,8 @@ def submit_concurrently(socket_path: str, job: JobSpec | Callable[[int], JobSpec
         c.connect()
 
     def submits(i: int, first: int, count: int) -> list[int]:
-        return [submit_one(conns[i], job if isinstance(job, JobSpec) else job(first + n)) for n in range(count)]
+        return [submit_one(conns[i], job if isinstance(job, JobSpec) else job(first + n),
+                           new_request_id() if request_ids else None) for n in range(count)]
 
     try:
         return _in_threads(submits, total, clients)
