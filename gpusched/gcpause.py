@@ -22,19 +22,6 @@ arrive, and its full collections took 0.25 s of the 3 s the default Alibaba trac
 `LongLivedHeap` freezes what survives each full collection, so the next one walks only what came
 since; and since a frozen cycle that dies later is never collected, the daemon unfreezes and walks
 everything once an hour.
-
-The daemon also starts a young collection after 10,000 net allocations instead of CPython's 700
-(`DAEMON_YOUNG_THRESHOLD`). Under 16 clients the young collections at 700 came every ~60 submits
-and walked whatever was young at that moment (the requests in flight, the jobs just accepted),
-promoting it to be walked again by the middle generation's collections, and found no garbage at
-all (0 collected in 8,000 submits): what a request leaves is freed by reference counting. Those
-walks, and the collector's per-type traversal code, pushed the request path out of the CPU's caches.
-callgrind's cache simulation of the daemon under 16 clients (a 512 KiB last level, as this CPU's
-per-core L2; docs/benchmarks.md, round 20): 1,895-2,036 L2 misses per submit at 700, 1,687 at
-10,000, 1,627 at 50,000, and 3% fewer instructions. At 10,000 a young collection came every ~1,300
-submits and paused the loop 3-5 ms on this 2-vCPU machine (at 700: 0.2-0.75 ms every ~60, the
-middle generation's 1.2-1.7 ms every ~670); 50,000 would pause several times longer. Cycles, of
-which this daemon makes almost none, wait at most that many allocations to be reclaimed.
 """
 
 from __future__ import annotations
@@ -46,7 +33,6 @@ from contextlib import contextmanager
 from typing import Any
 
 SWEEP_INTERVAL_S = 3600.0  # how often a long-running process walks everything once (LongLivedHeap)
-DAEMON_YOUNG_THRESHOLD = 10_000  # gpuschedd's first collection threshold (CPython's is 700): see above
 
 
 @contextmanager
@@ -74,20 +60,11 @@ class LongLivedHeap:
         self.frozen_after_full = 0  # full collections whose survivors were frozen
         self.sweeps = 0
         self._sweeper: asyncio.Task[None] | None = None
-        self._thresholds: tuple[int, int, int] | None = None  # the collector's before start(young_threshold)
 
-    def start(self, sweep_interval_s: float | None = SWEEP_INTERVAL_S, young_threshold: int | None = None) -> None:
+    def start(self, sweep_interval_s: float | None = SWEEP_INTERVAL_S) -> None:
         """Freeze what is there now (what was loaded), and from now on after every full collection;
         with `sweep_interval_s`, also sweep that often (needs a running event loop). A process that
-        ends soon (a replay) needs no sweep: what a frozen cycle holds goes with the process.
-        `young_threshold`: the collector's first threshold from now on (gpuschedd's
-        DAEMON_YOUNG_THRESHOLD); `stop` puts the previous ones back."""
-        if young_threshold is not None:
-            if young_threshold < 1:
-                raise ValueError(f"young_threshold must be >= 1 (0 turns the collector off), not {young_threshold}")
-            if self._thresholds is None:
-                self._thresholds = gc.get_threshold()
-            gc.set_threshold(young_threshold, *self._thresholds[1:])
+        ends soon (a replay) needs no sweep: what a frozen cycle holds goes with the process."""
         gc.freeze()
         if self._after_collection not in gc.callbacks:
             gc.callbacks.append(self._after_collection)
@@ -96,15 +73,11 @@ class LongLivedHeap:
                                                                    name="gpusched-gc-sweep")
 
     def stop(self) -> None:
-        """No more freezing after full collections, nor sweeps, and the thresholds `start` found; what
-        is frozen stays frozen."""
+        """No more freezing after full collections, nor sweeps; what is frozen stays frozen."""
         if self._after_collection in gc.callbacks:
             gc.callbacks.remove(self._after_collection)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._thresholds is not None:
-            gc.set_threshold(*self._thresholds)
-            self._thresholds = None
 
     def sweep(self) -> None:
         """Walk everything once: what a frozen cycle left behind is reclaimed."""

@@ -18,7 +18,7 @@ from gpusched.daemon.engine import Engine
 from gpusched.daemon.executor import Executor
 from gpusched.daemon.main import scheduler_config
 from gpusched.daemon.store import Store
-from gpusched.gcpause import DAEMON_YOUNG_THRESHOLD, LongLivedHeap, gc_paused
+from gpusched.gcpause import LongLivedHeap, gc_paused
 from gpusched.gpu.nvml import open_backend
 from gpusched.model import JobSpec, WholeRequest
 
@@ -91,14 +91,11 @@ def test_the_daemon_process_freezes_what_it_loaded_and_replay_only_when_asked(tm
     from gpusched.replay.runner import run_replay
 
     gc.unfreeze()
-    before = gc.get_threshold()
     try:
         asyncio.run(main._freeze_loaded(None))  # type: ignore[arg-type]
         assert gc.get_freeze_count() > 0
         assert any(isinstance(getattr(cb, "__self__", None), LongLivedHeap) for cb in gc.callbacks)
-        assert gc.get_threshold() == (DAEMON_YOUNG_THRESHOLD, *before[1:])  # young collections far apart
         _stop_heaps()  # the daemon's stays for its life; this test process must not keep it
-        assert gc.get_threshold() == before
         gc.unfreeze()
         trace = Path(__file__).parent / "fixtures" / "alibaba-openb-sample.csv"
         run_replay(str(trace), gpus="H100-80GB:2", policies=["fifo-whole"])
@@ -206,27 +203,7 @@ def test_what_survives_a_full_collection_is_frozen_and_a_sweep_reclaims_frozen_c
     assert heap._after_collection not in gc.callbacks
 
 
-def test_a_young_threshold_is_set_while_started_and_put_back_by_stop() -> None:
-    before = gc.get_threshold()
-    heap = LongLivedHeap()
-    try:
-        with pytest.raises(ValueError, match="young_threshold must be >= 1"):
-            heap.start(sweep_interval_s=None, young_threshold=0)  # 0 would turn the collector off
-        assert gc.get_threshold() == before
-        heap.start(sweep_interval_s=None, young_threshold=12_345)
-        assert gc.get_threshold() == (12_345, *before[1:])
-        heap.start(sweep_interval_s=None, young_threshold=777)  # started again: stop still restores the first
-        assert gc.get_threshold()[0] == 777
-    finally:
-        heap.stop()
-        gc.unfreeze()
-    assert gc.get_threshold() == before
-    heap.stop()  # a second stop changes nothing
-    assert gc.get_threshold() == before
-
-
 def _stop_heaps() -> None:
     for cb in list(gc.callbacks):
-        heap = getattr(cb, "__self__", None)
-        if isinstance(heap, LongLivedHeap):
-            heap.stop()  # (its callback, its sweeper, and the thresholds it found)
+        if isinstance(getattr(cb, "__self__", None), LongLivedHeap):
+            gc.callbacks.remove(cb)

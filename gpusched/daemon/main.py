@@ -40,7 +40,7 @@ from gpusched.daemon.startup import policy_factory as policy_factory
 from gpusched.daemon.startup import scheduler_config as scheduler_config
 from gpusched.daemon.statelock import StateLock
 from gpusched.daemon.store import Store
-from gpusched.gcpause import DAEMON_YOUNG_THRESHOLD, LongLivedHeap
+from gpusched.gcpause import LongLivedHeap
 from gpusched.gpu.amd_profiles import AMD_MODEL_KEYS
 from gpusched.gpu.backend import GpuBackend, GpuError
 from gpusched.gpu.profiles import MODEL_KEYS
@@ -295,14 +295,13 @@ async def run(config: DaemonConfig, install_signals: bool = True,
 
 async def _freeze_loaded(daemon: Daemon) -> None:
     """The loaded queue lives on, and so do the jobs accepted later: no full collection walks
-    them again, bar a sweep once an hour (gcpause.LongLivedHeap), and young collections come every
-    DAEMON_YOUNG_THRESHOLD allocations instead of 700. Only the daemon's own process does this: a
-    program that embeds `run` keeps its collector as it is.
+    them again, bar a sweep once an hour (gcpause.LongLivedHeap). Only the daemon's own process
+    does this: a program that embeds `run` keeps its collector as it is.
 
     The collector was off since `_run_loop` (the engine's own pause ends with its load, and the first
     allocation after it would start a collection of everything loaded, still young: 0.7 s of a
     restart at 100k queued jobs), so it is turned on only once what was loaded is frozen."""
-    LongLivedHeap().start(young_threshold=DAEMON_YOUNG_THRESHOLD)  # and a sweep every SWEEP_INTERVAL_S
+    LongLivedHeap().start()  # and a sweep every SWEEP_INTERVAL_S
     gc.enable()
 
 
