@@ -72,10 +72,23 @@ class _Submits:
                 transport.write(_frame({"ok": True, "result": {"job_id": job_id, "state": "PENDING"}}))
 
 
+class _Checks:
+    """--checked: gpusched's own request models and its store's spec serializer, imported once,
+    before the server says it is ready (so no submit pays for the import)."""
+
+    def __init__(self) -> None:
+        from gpusched.model import JobSpec
+        from gpusched.protocol import SubmitRequest, parse_frame
+
+        self.parse_frame = parse_frame
+        self.submit_request = SubmitRequest
+        self.spec_json = JobSpec.__pydantic_serializer__.to_json  # what gpuschedd's store writes
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, submits: _Submits, checked: bool) -> None:
+    def __init__(self, submits: _Submits, checks: _Checks | None) -> None:
         self.submits = submits
-        self.checked = checked
+        self.checks = checks
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -91,8 +104,8 @@ class _Connection(asyncio.Protocol):
                 return
             body = bytes(self.buffer[_HEADER_BYTES : _HEADER_BYTES + size])
             del self.buffer[: _HEADER_BYTES + size]
-            if self.checked:
-                self._checked(body)
+            if self.checks is not None:
+                self._checked(self.checks, body)
                 continue
             message = json.loads(body)
             if message.get("op") == "submit":
@@ -100,23 +113,13 @@ class _Connection(asyncio.Protocol):
             else:  # hello (the only other request bench_api's clients send)
                 self.transport.write(_frame({"ok": True, "result": {"version": message.get("version")}}))
 
-    def _checked(self, body: bytes) -> None:
-        from gpusched.protocol import SubmitRequest, parse_frame  # (imported once, at the first frame)
-
+    def _checked(self, checks: _Checks, body: bytes) -> None:
         assert self.transport is not None
-        request = parse_frame(body)  # raises on a frame gpuschedd would refuse: a benchmark's bug
-        if isinstance(request, SubmitRequest):
-            spec = _spec_json()(request.spec).decode()
-            self.submits.add(self.transport, spec, request.request_id)
+        request = checks.parse_frame(body)  # raises on a frame gpuschedd would refuse: a benchmark's bug
+        if isinstance(request, checks.submit_request):
+            self.submits.add(self.transport, checks.spec_json(request.spec).decode(), request.request_id)
         else:
             self.transport.write(_frame({"ok": True, "result": {"version": getattr(request, "version", None)}}))
-
-
-def _spec_json() -> Any:
-    """What gpuschedd's store writes for a spec: its pydantic serializer's JSON."""
-    from gpusched.model import JobSpec
-
-    return JobSpec.__pydantic_serializer__.to_json
 
 
 def open_database(path: str) -> sqlite3.Connection:
@@ -135,7 +138,8 @@ async def serve(socket_path: str, db: sqlite3.Connection, checked: bool) -> None
     stop = loop.create_future()
     loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
     submits = _Submits(db)
-    server = await loop.create_unix_server(lambda: _Connection(submits, checked), socket_path)
+    checks = _Checks() if checked else None
+    server = await loop.create_unix_server(lambda: _Connection(submits, checks), socket_path)
     print("ready", flush=True)
     await stop
     server.close()

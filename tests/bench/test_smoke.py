@@ -89,7 +89,7 @@ def test_instructions_daemon_quick(server: str) -> None:
     """The real daemon (or bench_api's ceiling) without valgrind: every submit answered, the daemon's
     left PENDING."""
     out = run_quick("instructions_daemon.py", "--server", server)
-    assert "50 submits answered, the last PENDING" in out, out
+    assert ("50 submits answered, the last PENDING" if server == "gpuschedd" else "50 submits answered") in out, out
 
 
 @pytest.mark.timeout(120)
