@@ -160,7 +160,6 @@ class TaskSpooler(Peer):
     """task-spooler with its own server socket (TS_SOCKET) in our temp dir, one slot."""
 
     binary: str = ""
-    blocker_pid: int = 0
 
     def start(self) -> None:
         self.binary = shutil.which("tsp") or shutil.which("ts") or ""
@@ -180,18 +179,16 @@ class TaskSpooler(Peer):
         job = run([self.binary, "sleep", "3600"], self.env).strip()  # with -n it prints no id
         h.wait_until(lambda: "running" in run([self.binary, "-s", job], self.env), timeout=10,
                      what="tsp blocker running")
-        self.blocker_pid = int(run([self.binary, "-p", job], self.env).strip())
 
     def stop(self) -> None:
         if not self.env:
             return
         with contextlib.suppress(Exception):
             run([self.binary, "-K"], self.env, timeout=5)  # the server and its queue first: nothing new starts
-        if self.blocker_pid:  # -K leaves running jobs alive, so stop the blocker's process group ourselves
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.blocker_pid, signal.SIGTERM)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.blocker_pid, signal.SIGTERM)
+        # -K leaves each running job and the tsp process that waits for it alive, each in a session of
+        # its own; all of them, and only they, carry our TS_SOCKET. (Killing only the blocker by its
+        # pid left it running for an hour whenever the run failed before its pid was known.)
+        kill_by_environ(f"TS_SOCKET={self.env['TS_SOCKET']}")
 
 
 SLURM_CONF = """\
@@ -323,6 +320,25 @@ class Slurm(Peer):
         for proc in reversed(self.procs):  # slurmd, slurmctld, then munged
             stop_process(proc)
         kill_strays(self.base)
+
+
+def kill_by_environ(entry: str) -> int:
+    """SIGKILL every process of ours whose environment holds `entry` (`NAME=value`, exactly); how many."""
+    wanted = entry.encode()
+    killed = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if wanted in environ:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def kill_strays(base: str) -> None:
