@@ -20,27 +20,23 @@ rate as a fraction of it, a figure that moves far less with the machine's speed 
 to the single-commit floor (a CPU-bound daemon against an fsync-bound floor).
 
     python bench/bare_server.py SOCKET DATABASE [--checked]   # prints "ready" once it listens; SIGTERM stops it
+
+The benchmarks start it through `harness.BareServer`. This script imports nothing of gpusched
+but its framing (`gpusched.wire`, standard library only) unless --checked: the bare server's heap
+stays the size of a bare server's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
-from types import TracebackType
-from typing import Any, cast
+from typing import cast
 
-_HEADER_BYTES = 4
-
-
-def _frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return len(body).to_bytes(_HEADER_BYTES, "big") + body
+from gpusched.wire import HEADER, encode_frame, frame_length
 
 
 class _Submits:
@@ -69,7 +65,7 @@ class _Submits:
         db.execute("COMMIT")
         for (transport, _, _), job_id in zip(batch, ids, strict=True):
             if not transport.is_closing():
-                transport.write(_frame({"ok": True, "result": {"job_id": job_id, "state": "PENDING"}}))
+                transport.write(encode_frame({"ok": True, "result": {"job_id": job_id, "state": "PENDING"}}))
 
 
 class _Checks:
@@ -98,12 +94,12 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
         self.buffer += data
-        while len(self.buffer) >= _HEADER_BYTES:
-            size = int.from_bytes(self.buffer[:_HEADER_BYTES], "big")
-            if len(self.buffer) < _HEADER_BYTES + size:
+        while len(self.buffer) >= HEADER.size:
+            end = HEADER.size + frame_length(bytes(self.buffer[: HEADER.size]))  # (gpuschedd's own limits)
+            if len(self.buffer) < end:
                 return
-            body = bytes(self.buffer[_HEADER_BYTES : _HEADER_BYTES + size])
-            del self.buffer[: _HEADER_BYTES + size]
+            body = bytes(self.buffer[HEADER.size : end])
+            del self.buffer[:end]
             if self.checks is not None:
                 self._checked(self.checks, body)
                 continue
@@ -111,7 +107,7 @@ class _Connection(asyncio.Protocol):
             if message.get("op") == "submit":
                 self.submits.add(self.transport, json.dumps(message["spec"], separators=(",", ":")))
             else:  # hello (the only other request bench_api's clients send)
-                self.transport.write(_frame({"ok": True, "result": {"version": message.get("version")}}))
+                self.transport.write(encode_frame({"ok": True, "result": {"version": message.get("version")}}))
 
     def _checked(self, checks: _Checks, body: bytes) -> None:
         assert self.transport is not None
@@ -119,7 +115,7 @@ class _Connection(asyncio.Protocol):
         if isinstance(request, checks.submit_request):
             self.submits.add(self.transport, checks.spec_json(request.spec).decode(), request.request_id)
         else:
-            self.transport.write(_frame({"ok": True, "result": {"version": getattr(request, "version", None)}}))
+            self.transport.write(encode_frame({"ok": True, "result": {"version": getattr(request, "version", None)}}))
 
 
 def open_database(path: str) -> sqlite3.Connection:
@@ -143,53 +139,6 @@ async def serve(socket_path: str, db: sqlite3.Connection, checked: bool) -> None
     print("ready", flush=True)
     await stop
     server.close()
-
-
-class BareServer:
-    """This script as a child process, for bench_api: `with BareServer(folder) as bare: bare.socket`;
-    `checked`: with --checked; `wrapper`: what runs it (valgrind, for instructions_daemon.py)."""
-
-    def __init__(self, folder: str, checked: bool = False, wrapper: tuple[str, ...] = ()) -> None:
-        name = "checked" if checked else "bare"
-        self.socket = os.path.join(folder, f"{name}.sock")
-        self.database = os.path.join(folder, f"{name}.db")
-        self.checked = checked
-        self.wrapper = wrapper
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def __enter__(self) -> BareServer:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (--checked imports gpusched)
-        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([*self.wrapper, sys.executable, os.path.abspath(__file__), self.socket,
-                                      self.database, *(["--checked"] if self.checked else [])],
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path},
-                                     stderr=subprocess.DEVNULL if self.wrapper else None)  # (valgrind's report)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # (an exit closes the pipe: no wait for ever)
-        if line.strip() != "ready":
-            self.__exit__(None, None, None)
-            raise RuntimeError(f"bench/bare_server.py did not start (exit status {self.proc.wait(10)})")
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(self.database + suffix):
-                os.remove(self.database + suffix)
 
 
 def main() -> int:

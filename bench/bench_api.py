@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass
 
 import harness as h
-from bare_server import BareServer
 
 from gpusched.model import JobState
 from gpusched.protocol import (
@@ -90,9 +89,7 @@ def sqlite_floor(directory: str, n: int) -> float:
         return n / (time.perf_counter() - t0)
     finally:
         db.close()
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(path + suffix):
-                os.remove(path + suffix)
+        h.remove_database(path)
 
 
 @dataclass
@@ -116,7 +113,7 @@ def submit_frame() -> bytes:
     return _SUBMIT.replace(_KEY.encode(), new_request_id().encode(), 1)
 
 
-def throughput(d: h.DaemonProc, ceilings: dict[str, BareServer], sizes: Sizes) -> Throughput:
+def throughput(d: h.DaemonProc, ceilings: dict[str, h.BareServer], sizes: Sizes) -> Throughput:
     """Submits/s per client count (each client a thread sending `submit_frame()` on its own socket
     and reading the answer, one in flight, as `gpusched submit` does), the daemon's CPU per submit in
     microseconds (utime+stime over the phase: what the ratio to the floor is made of when the daemon
@@ -310,7 +307,7 @@ def main() -> int:
         block_all_gpus(d)  # cleanup() kills it with the daemon
         before = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
         # the daemon's disk and folder, as the floor
-        with BareServer(d.state_dir) as bare, BareServer(d.state_dir, checked=True) as checked:
+        with h.BareServer(d.state_dir) as bare, h.BareServer(d.state_dir, checked=True) as checked:
             tput = throughput(d, {"bare_server.py": bare, "bare_server.py --checked": checked}, sizes)
         after = sqlite_floor(d.state_dir, sizes.submits)
         arr = arrays(d, sizes)

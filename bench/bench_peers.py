@@ -71,18 +71,6 @@ def run(argv: Sequence[str], env: dict[str, str] | None = None, timeout: float =
     return proc.stdout
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it will not go; for the daemons we start in the foreground."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
-
-
 @dataclass
 class Peer:
     """A scheduler under test: how to start it, submit to it, block it and stop it."""
@@ -318,42 +306,52 @@ class Slurm(Peer):
                 h.wait_until(lambda: not run(["squeue", "-h"], self.env).strip(), timeout=15, interval=0.2,
                              what="slurm queue empty")
         for proc in reversed(self.procs):  # slurmd, slurmctld, then munged
-            stop_process(proc)
+            h.stop_process(proc)
         kill_strays(self.base)
 
 
-def kill_by_environ(entry: str) -> int:
-    """SIGKILL every process of ours whose environment holds `entry` (`NAME=value`, exactly); how many."""
-    wanted = entry.encode()
-    killed = 0
+def pids_where(name: str, matches: Callable[[bytes], bool]) -> list[int]:
+    """Processes of ours (bar this one) whose /proc/PID/`name` (cmdline, environ) `matches`."""
+    found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                content = f.read()
         except OSError:  # gone, or not ours to read
             continue
-        if wanted in environ:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
+        if matches(content):
+            found.append(int(pid))
+    return found
+
+
+def processes_with_environ(entry: str) -> list[int]:
+    """Processes whose environment holds `entry` (`NAME=value`, exactly). A zombie's reads empty."""
+    if not entry.partition("=")[0]:  # ("" would match the empty string after every environment's last NUL)
+        raise ValueError(f"not a NAME=value environment entry: {entry!r}")
+    wanted = entry.encode()
+    return pids_where("environ", lambda environ: wanted in environ.split(b"\0"))
+
+
+def kill_all(pids: list[int]) -> int:
+    """SIGKILL each; how many were still there to kill."""
+    killed = 0
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
     return killed
+
+
+def kill_by_environ(entry: str) -> int:
+    """SIGKILL every process of ours whose environment holds `entry`; how many."""
+    return kill_all(processes_with_environ(entry))
 
 
 def kill_strays(base: str) -> None:
     """Kill processes still running a job script from our spool dir (a job slurmd left behind)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if base.encode() in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+    kill_all(pids_where("cmdline", lambda cmdline: base.encode() in cmdline))
 
 
 # ---- measurements --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -170,6 +171,66 @@ class DaemonProc:
 
 
 kill_job_processes = kill_recorded_jobs  # jobs outlive the daemon under their shims
+
+
+def stop_process(proc: subprocess.Popen[Any] | None, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it will not go; for the servers we start in the foreground."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+def remove_database(path: str) -> None:
+    """An SQLite database in WAL mode and its two side files."""
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(path + suffix):
+            os.remove(path + suffix)
+
+
+class BareServer:
+    """bench/bare_server.py as a child process (bench_api's ceiling): `with BareServer(folder) as bare:
+    bare.socket`; `checked`: with --checked; `wrapper`: what runs it (valgrind, for instructions_daemon.py)."""
+
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bare_server.py")
+
+    def __init__(self, folder: str, checked: bool = False, wrapper: Sequence[str] = ()) -> None:
+        name = "checked" if checked else "bare"
+        self.socket = os.path.join(folder, f"{name}.sock")
+        self.database = os.path.join(folder, f"{name}.db")
+        self.checked = checked
+        self.wrapper = tuple(wrapper)
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def __enter__(self) -> BareServer:
+        repo = os.path.dirname(os.path.dirname(self.SCRIPT))  # (it imports gpusched: its framing, --checked more)
+        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([*self.wrapper, sys.executable, self.SCRIPT, self.socket, self.database,
+                                      *(["--checked"] if self.checked else [])],
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path},
+                                     stderr=subprocess.DEVNULL if self.wrapper else None)  # (valgrind's report)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # (an exit closes the pipe: no wait for ever)
+        if line.strip() != "ready":
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"bench/bare_server.py did not start (exit status {self.proc.wait(10)})")
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        stop_process(self.proc)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        remove_database(self.database)
 
 
 def submit_one(client: Client, job: JobSpec, request_id: str | None = None) -> int:

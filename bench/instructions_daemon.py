@@ -31,7 +31,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import harness as h
-from bare_server import BareServer
 from bench_api import submit_frame
 
 from gpusched_cli.client import Client
@@ -53,7 +52,7 @@ def count(submits: int, warmup: int, clients: int, valgrind: bool, server: str =
                         c.request({"op": "gpu_drain", "device": str(gpu), "reason": "bench"})
                 socket_path, pid = d.socket, d.pid
             else:
-                bare = stack.enter_context(BareServer(folder, checked=server == "checked", wrapper=tuple(wrapper)))
+                bare = stack.enter_context(h.BareServer(folder, checked=server == "checked", wrapper=wrapper))
                 socket_path, pid = bare.socket, bare.pid
             h.send_submits_concurrently(socket_path, submit_frame, warmup, clients)
             if valgrind:

@@ -4,12 +4,10 @@ gpuschedd look slower than a durable server can be."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sqlite3
-import sys
 import tempfile
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -17,21 +15,11 @@ import pytest
 from gpusched.protocol import SubmitRequest
 from gpusched.wire import decode_body, encode_frame, frame_length
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bare_server.py"
 
 def _submit(i: int) -> bytes:
     """A submit as `gpusched submit` sends it (valid for gpusched's own models: --checked validates it)."""
     spec = {"argv": ["true"], "cwd": "/tmp", "env": {"A": "1"}, "request": {"kind": "whole", "gpus": 1}}
     return encode_frame(SubmitRequest.model_validate({"spec": spec, "request_id": f"{i:032x}"}).model_dump(mode="json"))
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bare_server", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bare_server"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _answer(sock: socket.socket) -> dict[str, object]:
@@ -50,10 +38,10 @@ def _connect(path: str) -> socket.socket:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("checked", [False, True])
-def test_answers_only_committed_submits(checked: bool) -> None:
-    bare = _load()
+def test_answers_only_committed_submits(checked: bool, bench_module: Callable[[str], ModuleType]) -> None:
+    harness = bench_module("harness")
     with tempfile.TemporaryDirectory(prefix="gbt-", dir="/tmp") as folder, \
-            bare.BareServer(folder, checked=checked) as server:
+            harness.BareServer(folder, checked=checked) as server:
         socks = [_connect(server.socket) for _ in range(4)]
         reader = sqlite3.connect(f"file:{server.database}?mode=ro", uri=True)
         seen: list[int] = []
