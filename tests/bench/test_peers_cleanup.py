@@ -51,7 +51,9 @@ def test_stopping_task_spooler_leaves_none_of_its_processes(bench_peers: ModuleT
         job = bench_peers.run([peer.binary, "sleep", "3600"], peer.env).strip()
         bench_peers.h.wait_until(lambda: "running" in bench_peers.run([peer.binary, "-s", job], peer.env),
                                  timeout=10, what="the job running")
-        assert len(bench_peers.processes_with_environ(entry)) >= 3, "tsp's server, the job's waiter and the job itself"
+        # tsp says "running" once its waiter has started, which may be before the job itself forked
+        bench_peers.h.wait_until(lambda: len(bench_peers.processes_with_environ(entry)) >= 3, timeout=10,
+                                 what="tsp's server, the job's waiter and the job itself")
     finally:
         peer.stop()
         shutil.rmtree(base, ignore_errors=True)
