@@ -15,7 +15,9 @@ Beside each throughput phase the same clients drive bench/bare_server.py, the le
 submit server can do (frames, one INSERT each, one COMMIT per turn of its loop, no validation, no
 scheduler), on the same disk, and the same with `--checked` (gpusched's own request validation and
 request_id key added): their rates are the ceiling for a Python daemon on this machine, and
-gpusched's rate is also printed as a fraction of each.
+gpusched's rate is also printed as a fraction of each. Before them the same clients drive
+bench/single_commit_daemon.py, gpuschedd with one write per COMMIT, on the same disk: gpusched's rate
+as a multiple of that one is group commit's own gain, which the floor (no daemon CPU in it) cannot show.
 The CLI's baseline is `python -c pass`: the part of `gpusched submit` that no client code can
 remove. The baseline for submit->RUNNING is the same daemon with `launcher = "spawn"` (a Python
 interpreter started per job's shim, as before the fork server), sampled alternately with the
@@ -101,6 +103,9 @@ class Throughput:
     # bench/bare_server.py, plain and --checked: (submits/s, its CPU us per submit) per client count,
     # the same clients right after gpusched's phase
     ceilings: dict[str, dict[int, tuple[float, float]]]
+    # gpuschedd committing each submit alone (bench/single_commit_daemon.py): (submits/s, its CPU us per
+    # submit, submits per fsync) per client count, the same clients right after gpusched's phase
+    single: dict[int, tuple[float, float, float]]
 
 
 _KEY = "0" * 32
@@ -113,32 +118,49 @@ def submit_frame() -> bytes:
     return _SUBMIT.replace(_KEY.encode(), new_request_id().encode(), 1)
 
 
-def throughput(d: h.DaemonProc, ceilings: dict[str, h.BareServer], sizes: Sizes) -> Throughput:
+@dataclass
+class Phase:
+    rate: float  # submits/s
+    cpu_us: float  # the daemon's CPU per submit
+    client_cpu_us: float  # this process's (the client threads') CPU per submit
+    per_fsync: float  # submits per COMMIT, from the daemon's own counters
+
+
+def daemon_phase(d: h.DaemonProc, submits: int, clients: int) -> Phase:
+    """`submits` sent by `clients` threads to the daemon `d` (started with h.METRICS), each job
+    cancelled afterwards (outside the CPU reading) so the next phase starts with an empty queue."""
+    commits = d.metrics_counter("gpusched_group_commits_total")
+    writes = d.metrics_counter("gpusched_group_commit_writes_total")
+    before, own_before = h.cpu_seconds(d.pid), h.cpu_seconds(os.getpid())
+    elapsed, ids = h.send_submits_concurrently(d.socket, submit_frame, submits, clients)
+    phase = Phase(rate=submits / elapsed, cpu_us=1e6 * (h.cpu_seconds(d.pid) - before) / submits,
+                  client_cpu_us=1e6 * (h.cpu_seconds(os.getpid()) - own_before) / submits,
+                  per_fsync=((d.metrics_counter("gpusched_group_commit_writes_total") - writes)
+                             / (d.metrics_counter("gpusched_group_commits_total") - commits)))
+    with Client(d.socket, timeout=120) as c:
+        h.cancel_all(c, ids)
+    return phase
+
+
+def throughput(d: h.DaemonProc, single: h.DaemonProc, ceilings: dict[str, h.BareServer], sizes: Sizes) -> Throughput:
     """Submits/s per client count (each client a thread sending `submit_frame()` on its own socket
     and reading the answer, one in flight, as `gpusched submit` does), the daemon's CPU per submit in
     microseconds (utime+stime over the phase: what the ratio to the floor is made of when the daemon
     is the busy side), this process's CPU per submit (the client threads: on 2 cores they and the
-    daemon share the machine), and submits per
-    COMMIT from the daemon's own counters (group commit at work). Jobs queue behind a blocker, so no
-    job process competes for CPU; each phase's jobs are cancelled afterwards (outside the CPU
-    reading) so every phase starts with an empty queue. After each phase the same clients drive
-    each of `ceilings` (bench/bare_server.py)."""
-    out = Throughput({}, {}, {}, {}, {name: {} for name in ceilings})
+    daemon share the machine), and submits per COMMIT from the daemon's own counters (group commit at
+    work). Jobs queue behind a blocker, so no job process competes for CPU. After each phase the same
+    clients drive `single` (gpuschedd committing each submit alone, with its own blocker: group
+    commit's baseline), then each of `ceilings` (bench/bare_server.py)."""
+    out = Throughput({}, {}, {}, {}, {name: {} for name in ceilings}, {})
     for clients in sizes.clients:
-        commits = d.metrics_counter("gpusched_group_commits_total")
-        writes = d.metrics_counter("gpusched_group_commit_writes_total")
-        before, own_before = h.cpu_seconds(d.pid), h.cpu_seconds(os.getpid())
-        elapsed, ids = h.send_submits_concurrently(d.socket, submit_frame, sizes.submits, clients)
-        out.cpu_us[clients] = 1e6 * (h.cpu_seconds(d.pid) - before) / sizes.submits
-        out.client_cpu_us[clients] = 1e6 * (h.cpu_seconds(os.getpid()) - own_before) / sizes.submits
-        out.rates[clients] = sizes.submits / elapsed
-        out.per_fsync[clients] = ((d.metrics_counter("gpusched_group_commit_writes_total") - writes)
-                                  / (d.metrics_counter("gpusched_group_commits_total") - commits))
-        with Client(d.socket, timeout=120) as c:
-            h.cancel_all(c, ids)
+        phase = daemon_phase(d, sizes.submits, clients)
+        out.rates[clients], out.cpu_us[clients] = phase.rate, phase.cpu_us
+        out.client_cpu_us[clients], out.per_fsync[clients] = phase.client_cpu_us, phase.per_fsync
+        alone = daemon_phase(single, sizes.submits, clients)
+        out.single[clients] = (alone.rate, alone.cpu_us, alone.per_fsync)
         for name, bare in ceilings.items():
             before = h.cpu_seconds(bare.pid)
-            elapsed, ids = h.send_submits_concurrently(bare.socket, submit_frame, sizes.submits, clients)
+            elapsed, _ = h.send_submits_concurrently(bare.socket, submit_frame, sizes.submits, clients)
             out.ceilings[name][clients] = (sizes.submits / elapsed,
                                            1e6 * (h.cpu_seconds(bare.pid) - before) / sizes.submits)
     return out
@@ -239,6 +261,9 @@ def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latenc
     for clients, rate in rates.items():
         table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu_us[clients],
                   tput.client_cpu_us[clients], tput.per_fsync[clients])
+    for clients, (rate, cpu, per_fsync) in tput.single.items():
+        table.add(f"gpuschedd, one COMMIT per submit (single_commit_daemon.py), {clients} concurrent clients", rate,
+                  1000 / rate, rate / floor, cpu, "-", per_fsync)
     for name, by_clients in tput.ceilings.items():
         for clients, (rate, cpu) in by_clients.items():
             table.add(f"{name}, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu, "-", "-")
@@ -275,6 +300,9 @@ def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latenc
               f"x {rate / floor:.2f}; the daemon's CPU {cpu_us[clients]:.0f} us per submit, the clients' "
               f"{tput.client_cpu_us[clients]:.0f} us, "
               f"{tput.per_fsync[clients]:.1f} submits per fsync")
+        alone, alone_cpu, _ = tput.single[clients]
+        print(f"    group commit: gpusched = the same daemon committing each submit alone ({alone:.0f}/s, "
+              f"{alone_cpu:.0f} us of CPU per submit) x {rate / alone:.2f}")
         for name, by_clients in tput.ceilings.items():
             bare, cpu = by_clients[clients]
             print(f"    against {name} ({bare:.0f}/s = the floor x {bare / floor:.2f}, {cpu:.0f} us of CPU per "
@@ -298,6 +326,7 @@ def main() -> int:
     print(h.machine_line())
     d = h.DaemonProc(h.short_tmpdir("gba-"), extra_config=h.METRICS)  # launcher = "forkserver", the default
     spawn = h.DaemonProc(h.short_tmpdir("gbs-"), extra_config='launcher = "spawn"\n')  # the baseline launcher
+    single = h.DaemonProc(h.short_tmpdir("gb1-"), extra_config=h.METRICS, program=h.SINGLE_COMMIT)
     try:
         d.start()
         spawn.start()
@@ -305,10 +334,13 @@ def main() -> int:
         lats = latency({"spawn": spawn, "forkserver": d}, sizes.latency_samples)  # first, while the node is idle
         spawn.cleanup()  # done with it: it must not take CPU from the throughput phases
         block_all_gpus(d)  # cleanup() kills it with the daemon
+        single.start()  # (after the latency phase, which it must not share the machine with)
+        block_all_gpus(single)
         before = sqlite_floor(d.state_dir, sizes.submits)  # the daemon's own disk and folder
         # the daemon's disk and folder, as the floor
         with h.BareServer(d.state_dir) as bare, h.BareServer(d.state_dir, checked=True) as checked:
-            tput = throughput(d, {"bare_server.py": bare, "bare_server.py --checked": checked}, sizes)
+            tput = throughput(d, single, {"bare_server.py": bare, "bare_server.py --checked": checked}, sizes)
+        single.cleanup()  # done with it: it must not take CPU from the phases that follow
         after = sqlite_floor(d.state_dir, sizes.submits)
         arr = arrays(d, sizes)
         cli = cli_times(d, sizes.cli_runs)
@@ -316,6 +348,7 @@ def main() -> int:
         report((before, after), tput, lats, cli, arr, sizes)
         return 0
     finally:
+        single.cleanup()
         spawn.cleanup()
         d.cleanup()
 

@@ -49,6 +49,9 @@ CONFIG = ('allow_root_jobs = true\ncgroup_root = "off"\n'
           "max_pending_per_user = 1000000\nsubmit_rate_per_user = 1000000.0\n")
 SIM = "H100-80GB:8"
 METRICS = 'metrics_address = "127.0.0.1:0"\n'  # extra_config for DaemonProc.metrics_counter
+DAEMON = ("-m", "gpusched.daemon.main")  # DaemonProc's program: gpuschedd itself
+# gpuschedd committing each submit alone (bench/single_commit_daemon.py): the baseline for group commit's gain
+SINGLE_COMMIT = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "single_commit_daemon.py"),)
 JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 
 
@@ -87,12 +90,14 @@ def module_env(kib: int) -> dict[str, str]:
 
 @dataclass
 class DaemonProc:
-    """`python -m gpusched.daemon.main` as a child process in its own session."""
+    """`python -m gpusched.daemon.main` (or another `program` taking its options) as a child process in
+    its own session."""
 
     base: str
     sim: str = SIM
     proc: subprocess.Popen[bytes] | None = None
     extra_config: str = ""
+    program: Sequence[str] = DAEMON
 
     @property
     def socket(self) -> str:
@@ -116,7 +121,7 @@ class DaemonProc:
         log = open(os.path.join(self.base, "daemon.log"), "ab")  # noqa: SIM115 - the child owns it
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "gpusched.daemon.main", "--config", config, "--sim", self.sim,
+            [*wrapper, sys.executable, *self.program, "--config", config, "--sim", self.sim,
              "--socket", self.socket, "--state-dir", self.state_dir],
             stdout=log, stderr=log, start_new_session=True,
         )

@@ -28,6 +28,8 @@ def test_bench_api_quick() -> None:
     assert "SQLite INSERT+COMMIT" in out
     assert "gpusched submit, 16 concurrent clients" in out
     assert "bare_server.py --checked, 16 concurrent clients" in out and "gpusched = bare_server.py x" in out
+    assert "gpuschedd, one COMMIT per submit (single_commit_daemon.py), 16 concurrent clients" in out
+    assert "group commit: gpusched = the same daemon committing each submit alone" in out
     assert "submit -> RUNNING" in out
     assert "gpusched submit process p50" in out
     assert "single-commit floor" in out and "x the floor" in out and "daemon CPU us each" in out
