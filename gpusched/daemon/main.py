@@ -81,10 +81,12 @@ class Daemon:
         Jobs a pending or held job names in `--after` are kept. Returns how many were deleted."""
         engine = self.engine
         protect = {d.job_id for job in engine.jobs.values() for d in job.spec.after}
+        keep = self.config.max_finished_jobs
+        cutoff = self.store.prune_cutoff(keep)  # once: walking `keep` entries per batch stalled the loop
         deleted = 0
         while True:
             ids = self.store.prune_finished(ended_before=engine.clock() - self.config.finished_job_retention_s,
-                                            keep=self.config.max_finished_jobs, protect=protect)
+                                            keep=keep, protect=protect, cutoff=cutoff)
             if not ids:
                 return deleted
             deleted += len(ids)

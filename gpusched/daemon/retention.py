@@ -16,24 +16,45 @@ from contextlib import AbstractContextManager
 from gpusched.daemon.envstore import prune_envs
 from gpusched.model import TERMINAL_STATES
 
+# A time-sensitive query's plan, pinned: given `state IN (...)`, SQLite preferred the jobs_state index
+# and sorted every finished job in a temporary B-tree, ~60-120 ms a query at 79k finished jobs, each
+# on the event loop (INDEXED BY raises instead if the index ever stops serving these queries).
+_FINISHED = "FROM jobs INDEXED BY jobs_ended WHERE ended_at IS NOT NULL AND state IN ({marks})"
+Cutoff = tuple[float, int]  # (ended_at, id) of the newest finished job `keep` leaves to pruning
+
+
+def _terminal() -> tuple[list[str], str]:
+    terminal = [s.value for s in TERMINAL_STATES]
+    return terminal, ", ".join("?" for _ in terminal)
+
+
+def prune_cutoff(db: sqlite3.Connection, keep: int) -> Cutoff:
+    """The newest finished job beyond the newest `keep` ones (it and all that ended before it may
+    go); (-inf, 0) when `keep` finished jobs or fewer exist, or `keep` is negative. It walks `keep`
+    entries of the index (~30 ms at keep = 10,000 here), so a run of batches works it out once: jobs
+    that end meanwhile only make a fresh cutoff newer, so a stale one prunes less, never more."""
+    terminal, marks = _terminal()
+    # The newest `keep` are the last to have ended (not the highest ids: a two-day job that ends
+    # after a sweep of short ones must not lose its record and log to them at once).
+    cutoff = db.execute(
+        f"SELECT ended_at, id {_FINISHED.format(marks=marks)} ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?",
+        (*terminal, keep)).fetchone() if keep >= 0 else None
+    return (cutoff[0], cutoff[1]) if cutoff is not None else (float("-inf"), 0)
+
 
 def prune_finished(db: sqlite3.Connection, change: Callable[[], AbstractContextManager[sqlite3.Connection]], *,
-                   ended_before: float, keep: int, protect: Iterable[int] = (), batch: int = 500) -> list[int]:
+                   ended_before: float, keep: int, protect: Iterable[int] = (), batch: int = 500,
+                   cutoff: Cutoff | None = None) -> list[int]:
     """Delete up to `batch` finished jobs (with their transitions and events) that ended before
     `ended_before` or are beyond the newest `keep` finished ones; never those in `protect` (the
     targets of pending `--after` dependencies), nor, of an array in `protect`, one task of each
     state its tasks ended in (all `--after ARRAY` reads). Returns the ids deleted; call again until
     empty. `change`: the store's own transaction (Store._tx). Small batches keep each write
-    transaction short, so the loop's own commits never wait long."""
-    terminal = [s.value for s in TERMINAL_STATES]
-    marks = ", ".join("?" for _ in terminal)
+    transaction short, so the loop's own commits never wait long. `cutoff`: `prune_cutoff(db, keep)`
+    worked out once for a run of calls (else each call works it out)."""
+    terminal, marks = _terminal()
     protected = set(protect)
-    # The newest `keep` are the last to have ended (not the highest ids: a two-day job that ends
-    # after a sweep of short ones must not lose its record and log to them at once).
-    cutoff = db.execute(
-        f"SELECT ended_at, id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
-        "ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?", (*terminal, keep)).fetchone() if keep >= 0 else None
-    doomed_end, doomed_id = cutoff if cutoff is not None else (float("-inf"), 0)  # this one and older go
+    doomed_end, doomed_id = cutoff if cutoff is not None else prune_cutoff(db, keep)  # this one and older go
     # `--after ARRAY` reads how the array ended from the set of states its tasks ended in
     # (engine_core._dependency_status), so a protected array keeps one task per state, not all of
     # them: one held job's 64 `--after` slots could otherwise keep 64 arrays of 10,001 tasks.
@@ -41,7 +62,7 @@ def prune_finished(db: sqlite3.Connection, change: Callable[[], AbstractContextM
         "SELECT MIN(id) FROM jobs WHERE array_id IN (SELECT value FROM json_each(?)) GROUP BY array_id, state",
         (json.dumps(sorted(protected)),))}
     candidates = db.execute(
-        f"SELECT id FROM jobs WHERE ended_at IS NOT NULL AND state IN ({marks}) "
+        f"SELECT id {_FINISHED.format(marks=marks)} "
         "AND (ended_at < ? OR (ended_at, id) <= (?, ?)) ORDER BY ended_at, id LIMIT ?",
         (*terminal, ended_before, doomed_end, doomed_id, batch + len(protected)),
     ).fetchall()

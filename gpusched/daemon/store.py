@@ -253,11 +253,16 @@ class Store(StoreReader):
                 db.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'jobs'", (highest,))
         return True
 
+    def prune_cutoff(self, keep: int) -> retention.Cutoff:
+        """The newest finished job beyond the newest `keep` (retention.prune_cutoff), for a run of
+        `prune_finished` calls to share."""
+        return retention.prune_cutoff(self._db, keep)
+
     def prune_finished(self, *, ended_before: float, keep: int, protect: Iterable[int] = (),
-                       batch: int = 500) -> list[int]:
+                       batch: int = 500, cutoff: retention.Cutoff | None = None) -> list[int]:
         """Delete up to `batch` finished jobs (retention.prune_finished); the ids deleted."""
         return retention.prune_finished(self._db, self._tx, ended_before=ended_before, keep=keep, protect=protect,
-                                        batch=batch)
+                                        batch=batch, cutoff=cutoff)
 
     # ---- device and job events -------------------------------------------------------------------
 

@@ -36,6 +36,14 @@ def test_bench_api_quick() -> None:
     assert "--array 1-1000 accepted in" in out
 
 
+@pytest.mark.timeout(60)
+def test_prune_batches_quick() -> None:
+    out = run_quick("prune_batches.py")
+    assert "pruning 2000 of 3000 finished jobs, keep 1000" in out
+    assert "each batch its own (baseline)" in out and "once per run (the daemon's)" in out
+    assert "ratios: a batch's median" in out
+
+
 @pytest.mark.timeout(120)
 def test_bench_footprint_quick() -> None:
     out = run_quick("bench_footprint.py")

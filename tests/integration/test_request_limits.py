@@ -114,6 +114,24 @@ def test_finished_jobs_are_pruned_by_count_and_age_but_dependencies_are_kept(
         assert [j.id for j in c.call(QueueRequest(all=True), QueueResult).jobs] == [target, waiter]
 
 
+def test_a_prune_works_its_cutoff_out_once_for_all_its_batches(daemon_factory: Callable[..., DaemonHandle]) -> None:
+    """The cutoff walks `max_finished_jobs` entries (~30 ms at the default 10,000, here); worked out again
+    for every batch of 500, it stalled the loop for seconds after a big array was cancelled."""
+    handle = daemon_factory(max_finished_jobs=0)
+    with handle.client() as c:
+        array = c.call(SubmitRequest(spec=_spec("true"), hold=True, array="1-1200"), SubmitResult).job_id
+        c.call(CancelRequest(job_ids=[array]), CancelResult)
+    assert handle.daemon is not None
+    statements: list[str] = []
+    db = handle.daemon.store._db  # the daemon's own connection, used on its loop
+    handle.call_in_loop(lambda: db.set_trace_callback(statements.append))
+    try:
+        assert _prune(handle) == 1200  # three batches
+    finally:
+        handle.call_in_loop(lambda: db.set_trace_callback(None))
+    assert sum(1 for sql in statements if "OFFSET" in sql) == 1
+
+
 def test_one_users_pending_jobs_are_capped_in_bytes(daemon_factory: Callable[..., DaemonHandle]) -> None:
     """50,000 pending jobs of ~1 MiB of heap each (bench/spec_memory.py) would be ~50 GiB: the bytes a
     user's waiting jobs take are capped too (max_pending_bytes_per_user); root is exempt."""
