@@ -95,17 +95,22 @@ def sqlite_floor(directory: str, n: int) -> float:
 
 
 @dataclass
+class Phase:
+    rate: float  # submits/s
+    cpu_us: float  # the daemon's CPU per submit
+    client_cpu_us: float  # this process's (the client threads') CPU per submit
+    per_fsync: float  # submits per COMMIT, from the daemon's own counters
+
+
+@dataclass
 class Throughput:
-    rates: dict[int, float]  # submits/s per client count
-    cpu_us: dict[int, float]  # the daemon's CPU per submit
-    per_fsync: dict[int, float]  # submits one COMMIT (one fsync) made durable, on average
-    client_cpu_us: dict[int, float]  # this process's CPU per submit: the client threads' share of the 2 cores
+    phases: dict[int, Phase]  # gpuschedd's, per client count
+    # gpuschedd committing each submit alone (bench/single_commit_daemon.py), per client count, the same
+    # clients right after gpusched's phase
+    single: dict[int, Phase]
     # bench/bare_server.py, plain and --checked: (submits/s, its CPU us per submit) per client count,
     # the same clients right after gpusched's phase
     ceilings: dict[str, dict[int, tuple[float, float]]]
-    # gpuschedd committing each submit alone (bench/single_commit_daemon.py): (submits/s, its CPU us per
-    # submit, submits per fsync) per client count, the same clients right after gpusched's phase
-    single: dict[int, tuple[float, float, float]]
 
 
 _KEY = "0" * 32
@@ -116,14 +121,6 @@ def submit_frame() -> bytes:
     """A submit of `true` on 1 GPU as `gpusched submit` sends it: with a request_id made as the CLI
     makes them (each submit its own). Built as the C front builds its frame, bytes around the key."""
     return _SUBMIT.replace(_KEY.encode(), new_request_id().encode(), 1)
-
-
-@dataclass
-class Phase:
-    rate: float  # submits/s
-    cpu_us: float  # the daemon's CPU per submit
-    client_cpu_us: float  # this process's (the client threads') CPU per submit
-    per_fsync: float  # submits per COMMIT, from the daemon's own counters
 
 
 def daemon_phase(d: h.DaemonProc, submits: int, clients: int) -> Phase:
@@ -151,13 +148,10 @@ def throughput(d: h.DaemonProc, single: h.DaemonProc, ceilings: dict[str, h.Bare
     work). Jobs queue behind a blocker, so no job process competes for CPU. After each phase the same
     clients drive `single` (gpuschedd committing each submit alone, with its own blocker: group
     commit's baseline), then each of `ceilings` (bench/bare_server.py)."""
-    out = Throughput({}, {}, {}, {}, {name: {} for name in ceilings}, {})
+    out = Throughput({}, {}, {name: {} for name in ceilings})
     for clients in sizes.clients:
-        phase = daemon_phase(d, sizes.submits, clients)
-        out.rates[clients], out.cpu_us[clients] = phase.rate, phase.cpu_us
-        out.client_cpu_us[clients], out.per_fsync[clients] = phase.client_cpu_us, phase.per_fsync
-        alone = daemon_phase(single, sizes.submits, clients)
-        out.single[clients] = (alone.rate, alone.cpu_us, alone.per_fsync)
+        out.phases[clients] = daemon_phase(d, sizes.submits, clients)
+        out.single[clients] = daemon_phase(single, sizes.submits, clients)
         for name, bare in ceilings.items():
             before = h.cpu_seconds(bare.pid)
             elapsed, _ = h.send_submits_concurrently(bare.socket, submit_frame, sizes.submits, clients)
@@ -252,18 +246,17 @@ def block_all_gpus(d: h.DaemonProc) -> int:
 def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latency],
            cli: dict[str, list[float]], arr: ArrayTimes, sizes: Sizes) -> None:
     floor = (floors[0] + floors[1]) / 2
-    rates, cpu_us = tput.rates, tput.cpu_us
     print("submit throughput (durable acks over the socket; jobs stay pending behind a blocker)")
     table = h.Table(["what", "per second", "ms each", "x the floor", "daemon CPU us each", "clients' CPU us each",
                      "submits per fsync"])
     table.add(f"SQLite INSERT+COMMIT, WAL, synchronous=FULL (floor; {floors[0]:.0f} before, {floors[1]:.0f} after)",
               floor, 1000 / floor, 1.0, "-", "-", 1)
-    for clients, rate in rates.items():
-        table.add(f"gpusched submit, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu_us[clients],
-                  tput.client_cpu_us[clients], tput.per_fsync[clients])
-    for clients, (rate, cpu, per_fsync) in tput.single.items():
-        table.add(f"gpuschedd, one COMMIT per submit (single_commit_daemon.py), {clients} concurrent clients", rate,
-                  1000 / rate, rate / floor, cpu, "-", per_fsync)
+    for clients, p in tput.phases.items():
+        table.add(f"gpusched submit, {clients} concurrent clients", p.rate, 1000 / p.rate, p.rate / floor, p.cpu_us,
+                  p.client_cpu_us, p.per_fsync)
+    for clients, p in tput.single.items():
+        table.add(f"gpuschedd, one COMMIT per submit (single_commit_daemon.py), {clients} concurrent clients",
+                  p.rate, 1000 / p.rate, p.rate / floor, p.cpu_us, "-", p.per_fsync)
     for name, by_clients in tput.ceilings.items():
         for clients, (rate, cpu) in by_clients.items():
             table.add(f"{name}, {clients} concurrent clients", rate, 1000 / rate, rate / floor, cpu, "-", "-")
@@ -295,14 +288,14 @@ def report(floors: tuple[float, float], tput: Throughput, lats: dict[str, Latenc
     print(table.render())
     print()
     print("ratios:")
-    for clients, rate in rates.items():
+    for clients, p in tput.phases.items():
+        rate = p.rate
         print(f"  submit throughput, {clients} clients: {rate:.0f}/s = single-commit floor ({floor:.0f}/s) "
-              f"x {rate / floor:.2f}; the daemon's CPU {cpu_us[clients]:.0f} us per submit, the clients' "
-              f"{tput.client_cpu_us[clients]:.0f} us, "
-              f"{tput.per_fsync[clients]:.1f} submits per fsync")
-        alone, alone_cpu, _ = tput.single[clients]
-        print(f"    group commit: gpusched = the same daemon committing each submit alone ({alone:.0f}/s, "
-              f"{alone_cpu:.0f} us of CPU per submit) x {rate / alone:.2f}")
+              f"x {rate / floor:.2f}; the daemon's CPU {p.cpu_us:.0f} us per submit, the clients' "
+              f"{p.client_cpu_us:.0f} us, {p.per_fsync:.1f} submits per fsync")
+        alone = tput.single[clients]
+        print(f"    group commit: gpusched = the same daemon committing each submit alone ({alone.rate:.0f}/s, "
+              f"{alone.cpu_us:.0f} us of CPU per submit) x {rate / alone.rate:.2f}")
         for name, by_clients in tput.ceilings.items():
             bare, cpu = by_clients[clients]
             print(f"    against {name} ({bare:.0f}/s = the floor x {bare / floor:.2f}, {cpu:.0f} us of CPU per "

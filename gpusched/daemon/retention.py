@@ -19,13 +19,10 @@ from gpusched.model import TERMINAL_STATES
 # A time-sensitive query's plan, pinned: given `state IN (...)`, SQLite preferred the jobs_state index
 # and sorted every finished job in a temporary B-tree, ~60-120 ms a query at 79k finished jobs, each
 # on the event loop (INDEXED BY raises instead if the index ever stops serving these queries).
-_FINISHED = "FROM jobs INDEXED BY jobs_ended WHERE ended_at IS NOT NULL AND state IN ({marks})"
+_TERMINAL = tuple(s.value for s in TERMINAL_STATES)
+_FINISHED = (f"FROM jobs INDEXED BY jobs_ended WHERE ended_at IS NOT NULL "
+             f"AND state IN ({', '.join('?' for _ in _TERMINAL)})")
 Cutoff = tuple[float, int]  # (ended_at, id) of the newest finished job `keep` leaves to pruning
-
-
-def _terminal() -> tuple[list[str], str]:
-    terminal = [s.value for s in TERMINAL_STATES]
-    return terminal, ", ".join("?" for _ in terminal)
 
 
 def prune_cutoff(db: sqlite3.Connection, keep: int) -> Cutoff:
@@ -33,12 +30,10 @@ def prune_cutoff(db: sqlite3.Connection, keep: int) -> Cutoff:
     go); (-inf, 0) when `keep` finished jobs or fewer exist, or `keep` is negative. It walks `keep`
     entries of the index (~30 ms at keep = 10,000 here), so a run of batches works it out once: jobs
     that end meanwhile only make a fresh cutoff newer, so a stale one prunes less, never more."""
-    terminal, marks = _terminal()
     # The newest `keep` are the last to have ended (not the highest ids: a two-day job that ends
     # after a sweep of short ones must not lose its record and log to them at once).
-    cutoff = db.execute(
-        f"SELECT ended_at, id {_FINISHED.format(marks=marks)} ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?",
-        (*terminal, keep)).fetchone() if keep >= 0 else None
+    cutoff = db.execute(f"SELECT ended_at, id {_FINISHED} ORDER BY ended_at DESC, id DESC LIMIT 1 OFFSET ?",
+                        (*_TERMINAL, keep)).fetchone() if keep >= 0 else None
     return (cutoff[0], cutoff[1]) if cutoff is not None else (float("-inf"), 0)
 
 
@@ -52,7 +47,6 @@ def prune_finished(db: sqlite3.Connection, change: Callable[[], AbstractContextM
     empty. `change`: the store's own transaction (Store._tx). Small batches keep each write
     transaction short, so the loop's own commits never wait long. `cutoff`: `prune_cutoff(db, keep)`
     worked out once for a run of calls (else each call works it out)."""
-    terminal, marks = _terminal()
     protected = set(protect)
     doomed_end, doomed_id = cutoff if cutoff is not None else prune_cutoff(db, keep)  # this one and older go
     # `--after ARRAY` reads how the array ended from the set of states its tasks ended in
@@ -62,9 +56,8 @@ def prune_finished(db: sqlite3.Connection, change: Callable[[], AbstractContextM
         "SELECT MIN(id) FROM jobs WHERE array_id IN (SELECT value FROM json_each(?)) GROUP BY array_id, state",
         (json.dumps(sorted(protected)),))}
     candidates = db.execute(
-        f"SELECT id {_FINISHED.format(marks=marks)} "
-        "AND (ended_at < ? OR (ended_at, id) <= (?, ?)) ORDER BY ended_at, id LIMIT ?",
-        (*terminal, ended_before, doomed_end, doomed_id, batch + len(protected)),
+        f"SELECT id {_FINISHED} AND (ended_at < ? OR (ended_at, id) <= (?, ?)) ORDER BY ended_at, id LIMIT ?",
+        (*_TERMINAL, ended_before, doomed_end, doomed_id, batch + len(protected)),
     ).fetchall()
     ids = [r[0] for r in candidates if r[0] not in protected][:batch]
     if not ids:
